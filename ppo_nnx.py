@@ -469,14 +469,30 @@ def replay(graphdef, params, rest, batch: Batch) -> tuple[Output, Any]:
     A feed-forward network needs only what was stored for each sample (observation, carry,
     raw action), so samples can be shuffled freely across steps and envs.
     """
-    model = nnx.merge(graphdef, params, rest)
+    # copy=True: fresh variables under jax.grad, so that a module which breaks the write rule
+    # shows up as a replay mismatch rather than as an NNX trace-level error
+    model = nnx.merge(graphdef, params, rest, copy=True)
     out = model(batch.carry, batch.obs, batch.rollout_extras)
     return out, nnx.split(model, nnx.Param, ...)[2]
 
 
-def shuffled_minibatches(key, batch: Batch, num_minibatches: int) -> Batch:
-    """Shuffle a flat batch and cut it into [num_minibatches, minibatch_size, ...]."""
-    permutation = jax.random.permutation(key, batch.obs.shape[0])
+def epoch_permutations(key, batch_size: int, update_epochs: int) -> jax.Array:
+    """One shuffle of the batch per epoch, [update_epochs, batch_size].
+
+    Drawn in a small loop of their own, before the epoch loop, and never inside a loop body that
+    holds other loops: with jax 0.10.2 on CPU, a random draw there (an out-of-line call) made the
+    vmapped training program deadlock at random, measured on these machines.
+    """
+
+    def draw(key, _):
+        key, subkey = jax.random.split(key)
+        return key, jax.random.permutation(subkey, batch_size)
+
+    return jax.lax.scan(draw, key, length=update_epochs)[1]
+
+
+def split_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) -> Batch:
+    """Reorder a flat batch and cut it into [num_minibatches, minibatch_size, ...]."""
     return jax.tree.map(
         lambda x: x[permutation].reshape((num_minibatches, -1) + x.shape[1:]), batch)
 
@@ -548,12 +564,13 @@ def update(graphdef, optimizer, params, rest, opt_state, batch: Batch, key, args
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), rest, opt_state), metrics
 
-    def epoch(state, epoch_key):
-        minibatches = shuffled_minibatches(epoch_key, batch, args.num_minibatches)
+    def epoch(state, permutation):
+        minibatches = split_minibatches(batch, permutation, args.num_minibatches)
         return jax.lax.scan(minibatch_step, state, minibatches)
 
-    (params, rest, opt_state), metrics = jax.lax.scan(
-        epoch, (params, rest, opt_state), jax.random.split(key, args.update_epochs))
+    permutations = epoch_permutations(key, batch.obs.shape[0], args.update_epochs)
+    (params, rest, opt_state), metrics = jax.lax.scan(epoch, (params, rest, opt_state),
+                                                      permutations)
     return params, rest, opt_state, jax.tree.map(jnp.mean, metrics)
 
 
@@ -597,7 +614,8 @@ def make_train(args: Args, report=None):
         runner = Runner(env_state, flatten_obs(obs), carry, jnp.zeros(args.num_envs),
                         jnp.zeros(args.num_envs, jnp.int32), runner_key)
 
-        def iteration(state: TrainState, i):
+        def iteration(state: TrainState, xs):
+            i, update_key = xs
             rest, runner, transitions = rollout(graphdef, state.params, state.rest, env,
                                                 env_params, state.runner, args.num_steps)
             t = transitions
@@ -610,7 +628,7 @@ def make_train(args: Args, report=None):
                                         t.output["value"], advantages, returns))
             params, rest, opt_state, metrics = update(
                 graphdef, optimizer, state.params, rest, state.opt_state, batch,
-                jax.random.fold_in(update_key, i), args)
+                update_key, args)
 
             done = t.terminated | t.truncated
             episodes = done.sum()
@@ -629,7 +647,9 @@ def make_train(args: Args, report=None):
             return TrainState(params, rest, opt_state, runner), metrics
 
         state = TrainState(params, rest, optimizer.init(params), runner)
-        return jax.lax.scan(iteration, state, jnp.arange(args.num_iterations))
+        # per-iteration keys drawn up front, outside the loop (see epoch_permutations)
+        update_keys = jax.random.split(update_key, args.num_iterations)
+        return jax.lax.scan(iteration, state, (jnp.arange(args.num_iterations), update_keys))
 
     return train
 

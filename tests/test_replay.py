@@ -42,11 +42,11 @@ def record_and_replay(env_id: str, latent_size: int):
         flat = P.flatten_steps(t)
         batch = P.Batch(flat.obs, flat.carry, flat.rollout_extras, flat.output["log_prob"],
                         flat.output["value"], flat.reward, flat.reward)
-        index = jnp.arange(NUM_ENVS * NUM_STEPS)
         replayed = {}
         for count in MINIBATCH_COUNTS:
-            minibatches = P.shuffled_minibatches(shuffle_key, batch, count)
-            order = P.shuffled_minibatches(shuffle_key, batch._replace(obs=index), count).obs
+            permutation = P.epoch_permutations(shuffle_key, NUM_ENVS * NUM_STEPS, 1)[0]
+            minibatches = P.split_minibatches(batch, permutation, count)
+            order = permutation.reshape(count, -1)
 
             def step(rest, minibatch):
                 out, rest = P.replay(graphdef, params, rest, minibatch)

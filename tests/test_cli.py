@@ -1,0 +1,74 @@
+"""The command line: help, a tiny run, W&B offline logging, and bad input."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ppo_nnx as P
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "32",
+        "--num-minibatches", "2", "--update-epochs", "1", "--hidden-size", "16"]
+
+
+def run_cli(*flags, cwd=None, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "ppo_nnx.py"), *flags], cwd=cwd,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_help():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "--num-minibatches" in result.stdout and "--latent-size" in result.stdout
+
+
+def test_tiny_run_prints_progress_and_summary():
+    result = run_cli(*TINY, "--num-seeds", "2")
+    assert result.returncode == 0, result.stderr
+    assert "global_step=" in result.stdout
+    summary = [line for line in result.stdout.splitlines() if line.startswith("summary:")]
+    assert len(summary) == 1 and "seeds=[1, 2]" in summary[0] and "SPS=" in summary[0]
+
+
+def test_track_writes_offline_wandb_runs(tmp_path):
+    result = run_cli(*TINY, "--num-seeds", "2", "--track", cwd=tmp_path,
+                     env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    run_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(run_files) == 2  # one run per seed
+    iterations = 1024 // (4 * 32)
+    for run_file in run_files:
+        data = run_file.read_bytes()
+        assert data.count(b"charts/episodic_return") >= iterations  # logged every iteration
+        assert data.count(b"losses/approx_kl") >= iterations
+    names = b"".join(f.read_bytes() for f in run_files)
+    assert b"CartPole-v1__ppo_nnx__1__" in names and b"CartPole-v1__ppo_nnx__2__" in names
+
+
+def test_unknown_env_exits_2_via_cli():
+    result = run_cli("--env-id", "NoSuchEnv-v0")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--env-id" in lines[0] and "CartPole-v1" in lines[0]
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (dict(num_steps=100, num_minibatches=3), "--num-minibatches"),
+    (dict(total_timesteps=100), "--total-timesteps"),
+    (dict(num_envs=0), "--num-envs"),
+    (dict(num_steps=-5), "--num-steps"),
+    (dict(update_epochs=0), "--update-epochs"),
+    (dict(num_seeds=0), "--num-seeds"),
+    (dict(gamma=1.5), "--gamma"),
+    (dict(latent_size=-1), "--latent-size"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, overrides, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(P.Args(**overrides))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
