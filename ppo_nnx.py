@@ -107,7 +107,8 @@ def check_args(args: Args) -> None:
         if value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     if args.latent_size < 0:
-        raise ValueError(f"--latent-size must be 0 (no bottleneck) or positive, got {args.latent_size}")
+        raise ValueError(
+            f"--latent-size must be 0 (no bottleneck) or positive, got {args.latent_size}")
     for name in ("gamma", "gae_lambda"):
         value = getattr(args, name)
         if not 0.0 <= value <= 1.0:
@@ -289,7 +290,8 @@ class ActorCritic(StatefulModule):
         return {name: child for name, child in children.items() if child is not None}
 
     def initialize_state(self, batch_size):
-        return {name: c.initialize_state(batch_size) for name, c in self.stateful_children().items()}
+        children = self.stateful_children()
+        return {name: child.initialize_state(batch_size) for name, child in children.items()}
 
     def reset_state(self, carry):
         return {name: c.reset_state(carry[name]) for name, c in self.stateful_children().items()}
@@ -695,7 +697,7 @@ class Progress:
 
 
 def init_wandb(args: Args):
-    """One W&B run per seed, named as CleanRL names them and grouped, so each curve stays visible."""
+    """One W&B run per seed, named the CleanRL way and grouped, so every curve stays visible."""
     import wandb
 
     stamp = int(time.time())
