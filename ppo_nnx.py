@@ -165,7 +165,7 @@ def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 class MLP(nnx.Module):
-    """Dense tanh layers with CleanRL's orthogonal init; deterministic, so no carry."""
+    """Dense layers with tanh between them (the last is linear), CleanRL's orthogonal init."""
 
     def __init__(self, sizes: list[int], out_scale: float, rngs: nnx.Rngs):
         scales = [math.sqrt(2)] * (len(sizes) - 2) + [out_scale]
@@ -221,7 +221,7 @@ class CategoricalSampler(StatefulModule):
         return jax.random.split(self.rngs(), batch_size)
 
     def __call__(self, key, logits, rollout_extras=None):
-        next_key, sample_key = split_per_env(key)  # advanced in replay too, in lockstep
+        next_key, sample_key = split_per_env(key)  # the same chain in replay, where it goes unused
         if rollout_extras is None:
             action = jax.vmap(jax.random.categorical)(sample_key, logits)
         else:
@@ -598,7 +598,7 @@ def make_train(args: Args, report=None, report_every: int = 1):
     many seeds at once. `metrics` maps CleanRL's names to arrays of shape [num_iterations].
     `report(seed_index, metrics)`, if given, is called on the host after every `report_every`
     iterations (and the last); the seed index only labels those reports. A host call costs about
-    a millisecond on CPU, as much as a whole iteration of CartPole, so report sparingly.
+    a millisecond on CPU, a fifth of a CartPole iteration, so report sparingly.
     """
     check_args(args)
     env, env_params = make_env(args.env_id)
@@ -642,8 +642,9 @@ def make_train(args: Args, report=None, report_every: int = 1):
                 "charts/episodic_length": jnp.where(
                     episodes > 0, t.episode_length.sum() / episodes, jnp.nan),
                 "charts/learning_rate": learning_rate(i),
-                "losses/explained_variance": 1.0 - jnp.var(returns - t.output["value"])
-                / jnp.var(returns),
+                "losses/explained_variance": jnp.where(  # NaN for constant returns, as CleanRL
+                    jnp.var(returns) > 0,
+                    1.0 - jnp.var(returns - t.output["value"]) / jnp.var(returns), jnp.nan),
             })
             if report is not None:
                 due = ((i + 1) % report_every == 0) | (i + 1 == args.num_iterations)
@@ -720,16 +721,20 @@ def main(args: Args) -> None:
     try:
         check_args(args)  # also done by make_train; here so the sizes below are safe to use
         progress = Progress(args)
-        # W&B gets every iteration, as in CleanRL; the console needs about a hundred updates
+        # W&B gets every iteration, as in CleanRL; the console needs about a hundred updates.
+        # Live reports only for one seed: with several vmapped seeds, a host callback inside the
+        # training loop made XLA's CPU runtime deadlock (jax 0.10.2, measured on these machines),
+        # so their metrics go to the console and W&B when the program ends.
+        live = args.num_seeds == 1
         report_every = 1 if args.track else max(1, args.num_iterations // 100)
-        train = make_train(args, progress, report_every)  # checks the env before compiling
+        train = make_train(args, progress if live else None, report_every)  # checks the env
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     if args.track:
         progress.wandb_runs = init_wandb(args)
     seeds = args.seed + np.arange(args.num_seeds)
-    keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))  # seed i of N runs exactly as --seed i
+    keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))  # seed i of N draws what --seed i draws
 
     start = time.time()
     compiled = jax.jit(jax.vmap(train)).lower(keys, jnp.arange(args.num_seeds)).compile()
@@ -737,6 +742,11 @@ def main(args: Args) -> None:
     start = progress.start = time.time()
     _, metrics = jax.block_until_ready(compiled(keys, jnp.arange(args.num_seeds)))
     train_time = time.time() - start
+
+    if not live:
+        for i in range(args.num_iterations):
+            for seed_index in range(args.num_seeds):
+                progress(seed_index, jax.tree.map(lambda m: m[seed_index, i], metrics))
 
     steps = args.num_iterations * args.batch_size
     finals = final_return(metrics)

@@ -26,12 +26,16 @@ def test_help():
     assert "--num-minibatches" in result.stdout and "--latent-size" in result.stdout
 
 
-def test_tiny_run_prints_progress_and_summary():
-    result = run_cli(*TINY, "--num-seeds", "2")
+@pytest.mark.parametrize("num_seeds, seeds", [("1", "seeds=[1]"), ("2", "seeds=[1, 2]")])
+def test_tiny_run_prints_progress_and_summary(num_seeds, seeds):
+    """One seed reports live from the compiled loop; several report when it ends."""
+    result = run_cli(*TINY, "--num-seeds", num_seeds)
     assert result.returncode == 0, result.stderr
-    assert "global_step=" in result.stdout
-    summary = [line for line in result.stdout.splitlines() if line.startswith("summary:")]
-    assert len(summary) == 1 and "seeds=[1, 2]" in summary[0] and "SPS=" in summary[0]
+    lines = result.stdout.splitlines()
+    progress = [line for line in lines if line.startswith("global_step=")]
+    summary = [line for line in lines if line.startswith("summary:")]
+    assert progress and progress[-1].startswith("global_step=     1024")
+    assert len(summary) == 1 and seeds in summary[0] and "SPS=" in summary[0]
 
 
 def test_track_writes_offline_wandb_runs(tmp_path):
