@@ -164,6 +164,29 @@ def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     return both[:, 0], both[:, 1]
 
 
+def normal_per_env(keys: jax.Array, like: jax.Array) -> jax.Array:
+    """Standard normal noise shaped like `like` ([B, ...]), row b drawn from keys[b] alone."""
+    return jax.vmap(lambda key: jax.random.normal(key, like.shape[1:]))(keys)
+
+
+class KeyCarryModule(StatefulModule):
+    """A stochastic module whose carry is one PRNG key per env, shape [B].
+
+    The key is split locally on every call. It is stored with the rollout and sliced with the
+    observations, so a replay minibatch of any size draws exactly what the rollout drew.
+    `self.rngs` is read only by `initialize_state`: a module-level RNG advanced in `__call__`
+    would start replay from the post-rollout state, and would hand out different subkeys to
+    batches of different sizes. `reset_state` keeps the key chain: it only has to advance
+    deterministically within an episode.
+    """
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.rngs = rngs
+
+    def initialize_state(self, batch_size: int) -> jax.Array:
+        return jax.random.split(self.rngs(), batch_size)
+
+
 class MLP(nnx.Module):
     """Dense layers with tanh between them (the last is linear), CleanRL's orthogonal init."""
 
@@ -180,45 +203,27 @@ class MLP(nnx.Module):
         return self.layers[-1](x)
 
 
-class VariationalBottleneck(StatefulModule):
-    """z = mean + std * eps with the KL to N(0, I) as a loss, eps drawn from a per-env key.
-
-    The key lives in the carry, shape [B], and is split locally on every call. It is stored with
-    the rollout and sliced with the observations, so a replay minibatch of any size draws exactly
-    the eps the rollout drew. `self.rngs` is read only by `initialize_state`: a module-level RNG
-    advanced here would start replay from the post-rollout state, and would hand out different
-    subkeys to batches of different sizes.
-    """
+class VariationalBottleneck(KeyCarryModule):
+    """z = mean + std * eps with the KL to N(0, I) as a loss, eps drawn from the per-env key."""
 
     def __init__(self, in_size: int, latent_size: int, kl_coef: float, rngs: nnx.Rngs):
+        super().__init__(rngs)
         self.mean = nnx.Linear(in_size, latent_size, rngs=rngs)
         self.pre_std = nnx.Linear(in_size, latent_size, rngs=rngs)
         self.kl_coef = kl_coef
-        self.rngs = rngs
-
-    def initialize_state(self, batch_size: int) -> jax.Array:
-        return jax.random.split(self.rngs(), batch_size)
-
-    # reset_state keeps the key chain: it only has to advance deterministically within an episode.
 
     def __call__(self, key, x, rollout_extras=None):
         del rollout_extras  # the stored key reproduces the noise; nothing else is needed
         next_key, noise_key = split_per_env(key)
         mean = self.mean(x)
         std = jax.nn.softplus(self.pre_std(x)) + 1e-6
-        eps = jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(noise_key)
+        eps = normal_per_env(noise_key, mean)
         kl = 0.5 * jnp.sum(mean**2 + std**2 - 1.0 - 2.0 * jnp.log(std), axis=-1)
         return Output(next_key, mean + std * eps, self.kl_coef * kl, {"losses/kl": kl.mean()}, ())
 
 
-class CategoricalSampler(StatefulModule):
+class CategoricalSampler(KeyCarryModule):
     """Samples a discrete action from logits; replay re-scores the stored action."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.rngs = rngs
-
-    def initialize_state(self, batch_size: int) -> jax.Array:
-        return jax.random.split(self.rngs(), batch_size)
 
     def __call__(self, key, logits, rollout_extras=None):
         next_key, sample_key = split_per_env(key)  # the same chain in replay, where it goes unused
@@ -234,7 +239,7 @@ class CategoricalSampler(StatefulModule):
         return Output(next_key, output, jnp.zeros_like(log_prob), {}, action)
 
 
-class GaussianSampler(StatefulModule):
+class GaussianSampler(KeyCarryModule):
     """Diagonal Gaussian with a state-independent log-std, as in CleanRL's continuous PPO.
 
     The raw, unbounded sample is what gets stored and scored; the env receives it clipped to the
@@ -242,18 +247,15 @@ class GaussianSampler(StatefulModule):
     """
 
     def __init__(self, action_dim: int, low: tuple, high: tuple, rngs: nnx.Rngs):
+        super().__init__(rngs)
         self.log_std = nnx.Param(jnp.zeros(action_dim))
         self.low, self.high = low, high
-        self.rngs = rngs
-
-    def initialize_state(self, batch_size: int) -> jax.Array:
-        return jax.random.split(self.rngs(), batch_size)
 
     def __call__(self, key, mean, rollout_extras=None):
         next_key, sample_key = split_per_env(key)
         std = jnp.exp(self.log_std[...])
         if rollout_extras is None:
-            raw = mean + std * jax.vmap(lambda k: jax.random.normal(k, mean.shape[1:]))(sample_key)
+            raw = mean + std * normal_per_env(sample_key, mean)
         else:
             raw = rollout_extras
         log_prob = jnp.sum(-0.5 * ((raw - mean) / std) ** 2 - self.log_std[...]
@@ -385,6 +387,11 @@ class Transition(NamedTuple):
     episode_length: jax.Array
 
 
+def non_params(model: nnx.Module):
+    """The model's state other than its parameters (its nnx.Rngs), as after the call."""
+    return nnx.split(model, nnx.Param, ...)[2]
+
+
 def where_done(done: jax.Array, reset: Any, keep: Any) -> Any:
     """Per env, `reset` where the episode ended and `keep` elsewhere."""
     return jax.tree.map(
@@ -421,7 +428,7 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, num_steps: 
             carry=where_done(done, model.reset_state(out.next_state), out.next_state),
             episode_return=jnp.where(done, 0.0, episode_return),
             episode_length=jnp.where(done, 0, episode_length), key=key)
-        return (nnx.split(model, nnx.Param, ...)[2], runner), transition
+        return (non_params(model), runner), transition
 
     (rest, runner), transitions = jax.lax.scan(step, (rest, runner), length=num_steps)
     return rest, runner, transitions
@@ -474,7 +481,7 @@ def replay(graphdef, params, rest, batch: Batch) -> tuple[Output, Any]:
     # shows up as a replay mismatch rather than as an NNX trace-level error
     model = nnx.merge(graphdef, params, rest, copy=True)
     out = model(batch.carry, batch.obs, batch.rollout_extras)
-    return out, nnx.split(model, nnx.Param, ...)[2]
+    return out, non_params(model)
 
 
 def epoch_permutations(key, batch_size: int, update_epochs: int) -> jax.Array:
