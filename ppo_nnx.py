@@ -577,7 +577,7 @@ def update(graphdef, optimizer, params, rest, opt_state, batch: Batch, key, args
         minibatches = split_minibatches(batch, permutation, args.num_minibatches)
         return jax.lax.scan(minibatch_step, state, minibatches)
 
-    permutations = epoch_permutations(key, batch.obs.shape[0], args.update_epochs)
+    permutations = epoch_permutations(key, args.batch_size, args.update_epochs)
     (params, rest, opt_state), metrics = jax.lax.scan(epoch, (params, rest, opt_state),
                                                       permutations)
     return params, rest, opt_state, jax.tree.map(jnp.mean, metrics)
@@ -680,8 +680,8 @@ def final_return(metrics: dict) -> np.ndarray:
 class Progress:
     """Host side of `report`: prints about once a second and logs every iteration to W&B."""
 
-    def __init__(self, args: Args, wandb_runs=()):
-        self.args, self.wandb_runs = args, list(wandb_runs)
+    def __init__(self, args: Args):
+        self.args, self.wandb_runs = args, []  # main fills in the W&B runs with --track
         self.latest_return = np.full(args.num_seeds, np.nan)
         self.done = np.zeros(args.num_seeds, int)
         self.start = self.last_print = None
