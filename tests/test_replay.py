@@ -93,6 +93,14 @@ def test_replay_reproduces_rollout(recorded, count):
     assert all(m <= TOL for m in mismatch.values()), mismatch
 
 
+def test_negative_control_misrouted_samples(recorded):
+    """The same check fails if replayed samples land one (step, env) slot off."""
+    _, (_, rollout_output, replayed) = recorded
+    shifted = {k: jnp.roll(v, 1, axis=0) for k, v in replayed[2].items()}
+    mismatch = max_mismatch(rollout_output, shifted)
+    assert mismatch["log_prob"] > TOL and mismatch["value"] > TOL, mismatch
+
+
 def test_final_observation_is_the_pre_reset_one(recorded):
     """Bootstrapping needs the observation the step led to, not the next episode's first one."""
     _, (t, _, _) = recorded
