@@ -46,6 +46,8 @@ class Args:
 
     env_id: str = "CartPole-v1"
     """the id of the gymnax environment"""
+    mask_velocity: bool = False
+    """hide the velocities from the observation (CartPole-v1, Pendulum-v1): a task needing memory"""
     total_timesteps: int = 500_000
     """total env steps of the experiment (per seed)"""
     learning_rate: float = 2.5e-4
@@ -327,11 +329,45 @@ class ActorCritic(StatefulModule):
 # ----------------------------------------------------------------------------------------------
 # Environment
 # ----------------------------------------------------------------------------------------------
-def make_env(env_id: str):
+VELOCITY_FREE = {"CartPole-v1": (0, 2), "Pendulum-v1": (0, 1)}  # the entries --mask-velocity keeps
+
+
+class MaskVelocity:
+    """Shows the agent only positions and angles, so it must infer velocities from memory.
+
+    Wraps a gymnax 1.0 env; the observation after a reset and `final_observation` are masked alike.
+    """
+
+    def __init__(self, env, keep: tuple):
+        self.env, self.keep = env, np.asarray(keep)
+
+    def reset(self, key, params):
+        obs, state = self.env.reset(key, params)
+        return obs[..., self.keep], state
+
+    def step(self, key, state, action, params):
+        obs, state, reward, terminated, truncated, info = self.env.step(key, state, action, params)
+        info = {**info, "final_observation": info["final_observation"][..., self.keep]}
+        return obs[..., self.keep], state, reward, terminated, truncated, info
+
+    def observation_space(self, params):
+        space = self.env.observation_space(params)
+        low, high = (jnp.broadcast_to(b, space.shape)[self.keep]
+                     for b in (space.low, space.high))
+        return gymnax.environments.spaces.Box(low, high, (len(self.keep),), space.dtype)
+
+    def action_space(self, params):
+        return self.env.action_space(params)
+
+
+def make_env(env_id: str, mask_velocity: bool = False):
     """gymnax.make with errors that name the flag; returns (env, env_params)."""
     if env_id not in gymnax.registered_envs:
         raise ValueError(f"--env-id {env_id!r} is not a gymnax environment; choose one of: "
                          + ", ".join(gymnax.registered_envs))
+    if mask_velocity and env_id not in VELOCITY_FREE:
+        raise ValueError(f"--mask-velocity supports --env-id {' or '.join(VELOCITY_FREE)}, "
+                         f"not {env_id}")
     try:
         env, env_params = gymnax.make(env_id)
     except Exception as error:  # e.g. an env that downloads data on this offline machine
@@ -340,6 +376,8 @@ def make_env(env_id: str):
     if not isinstance(space, (gymnax.environments.spaces.Discrete, gymnax.environments.spaces.Box)):
         raise ValueError(f"--env-id {env_id}: action space {space} is not supported; "
                          "this script handles Discrete and Box action spaces")
+    if mask_velocity:
+        env = MaskVelocity(env, VELOCITY_FREE[env_id])
     return env, env_params
 
 
@@ -608,7 +646,7 @@ def make_train(args: Args, report=None, report_every: int = 1):
     a millisecond on CPU, a fifth of a CartPole iteration, so report sparingly.
     """
     check_args(args)
-    env, env_params = make_env(args.env_id)
+    env, env_params = make_env(args.env_id, args.mask_velocity)
     optimizer, learning_rate = make_optimizer(args)
 
     def train(key, seed_index=0):

@@ -1,35 +1,32 @@
-"""The command line: help, a tiny run, W&B offline logging, and bad input."""
+"""The command line of both scripts (fixture `P`): help, a tiny run, W&B offline, bad input."""
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-import ppo_nnx as P
-
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "32",
         "--num-minibatches", "2", "--update-epochs", "1", "--hidden-size", "16"]
 
 
-def run_cli(*flags, cwd=None, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "ppo_nnx.py"), *flags], cwd=cwd,
+def run_cli(P, *flags, cwd=None, env=None):
+    return subprocess.run([sys.executable, P.__file__, *flags], cwd=cwd,
                           env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=300)
 
 
-def test_help():
-    result = run_cli("--help")
+def test_help(P):
+    result = run_cli(P, "--help")
     assert result.returncode == 0
-    assert "--num-minibatches" in result.stdout and "--latent-size" in result.stdout
+    assert all(flag in result.stdout for flag in ("--num-minibatches", "--latent-size",
+                                                  "--mask-velocity"))
 
 
 @pytest.mark.parametrize("num_seeds, seeds", [("1", "seeds=[1]"), ("2", "seeds=[1, 2]")])
-def test_tiny_run_prints_progress_and_summary(num_seeds, seeds):
+def test_tiny_run_prints_progress_and_summary(P, num_seeds, seeds):
     """One seed reports live from the compiled loop; several report when it ends."""
-    result = run_cli(*TINY, "--num-seeds", num_seeds)
+    result = run_cli(P, *TINY, "--num-seeds", num_seeds)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     progress = [line for line in lines if line.startswith("global_step=")]
@@ -38,8 +35,8 @@ def test_tiny_run_prints_progress_and_summary(num_seeds, seeds):
     assert len(summary) == 1 and seeds in summary[0] and "SPS=" in summary[0]
 
 
-def test_track_writes_offline_wandb_runs(tmp_path):
-    result = run_cli(*TINY, "--num-seeds", "2", "--track", cwd=tmp_path,
+def test_track_writes_offline_wandb_runs(P, tmp_path):
+    result = run_cli(P, *TINY, "--num-seeds", "2", "--track", cwd=tmp_path,
                      env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     run_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
@@ -50,11 +47,12 @@ def test_track_writes_offline_wandb_runs(tmp_path):
         assert data.count(b"charts/episodic_return") >= iterations  # logged every iteration
         assert data.count(b"losses/approx_kl") >= iterations
     names = b"".join(f.read_bytes() for f in run_files)
-    assert b"CartPole-v1__ppo_nnx__1__" in names and b"CartPole-v1__ppo_nnx__2__" in names
+    for seed in (1, 2):
+        assert f"CartPole-v1__{P.__name__}__{seed}__".encode() in names
 
 
-def test_unknown_env_exits_2_via_cli():
-    result = run_cli("--env-id", "NoSuchEnv-v0")
+def test_unknown_env_exits_2_via_cli(P):
+    result = run_cli(P, "--env-id", "NoSuchEnv-v0")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--env-id" in lines[0] and "CartPole-v1" in lines[0]
@@ -69,8 +67,9 @@ def test_unknown_env_exits_2_via_cli():
     (dict(num_seeds=0), "--num-seeds"),
     (dict(gamma=1.5), "--gamma"),
     (dict(latent_size=-1), "--latent-size"),
+    (dict(env_id="Acrobot-v1", mask_velocity=True), "--mask-velocity"),
 ])
-def test_bad_input_exits_2_with_one_line(capsys, overrides, flag):
+def test_bad_input_exits_2_with_one_line(P, capsys, overrides, flag):
     with pytest.raises(SystemExit) as exit_info:
         P.main(P.Args(**overrides))
     assert exit_info.value.code == 2

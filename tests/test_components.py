@@ -1,13 +1,13 @@
-"""GAE and the action samplers against independent closed forms."""
+"""GAE, the action samplers and the velocity mask against independent closed forms, in both
+scripts (the fixture `P` is each script module in turn)."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-import ppo_nnx as P
 
 
 def gae_loop(rewards, values, next_values, terminated, truncated, gamma, lam):
@@ -38,27 +38,27 @@ def episodes():
     return {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in data.items()}
 
 
-def run_gae(d, terminated):
+def run_gae(P, d, terminated):
     return P.compute_gae(jnp.asarray(d["rewards"]), jnp.asarray(d["values"]),
                          jnp.asarray(d["next_values"]), jnp.asarray(terminated),
                          jnp.asarray(d["truncated"]), 0.99, 0.95)
 
 
-def test_gae_matches_python_loop(episodes):
-    advantages, returns = run_gae(episodes, episodes["terminated"])
+def test_gae_matches_python_loop(P, episodes):
+    advantages, returns = run_gae(P, episodes, episodes["terminated"])
     expected_adv, expected_ret = gae_loop(**episodes, gamma=0.99, lam=0.95)
     np.testing.assert_allclose(advantages, expected_adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(returns, expected_ret, rtol=1e-5, atol=1e-5)
 
 
-def test_negative_control_truncation_as_termination_differs(episodes):
+def test_negative_control_truncation_as_termination_differs(P, episodes):
     """The classic flaw (a time limit treated as terminal) must not pass the same check."""
-    advantages, _ = run_gae(episodes, episodes["terminated"] | episodes["truncated"])
+    advantages, _ = run_gae(P, episodes, episodes["terminated"] | episodes["truncated"])
     expected_adv, _ = gae_loop(**episodes, gamma=0.99, lam=0.95)
     assert not np.allclose(advantages, expected_adv, rtol=1e-5, atol=1e-5)
 
 
-def test_categorical_sampler_closed_form():
+def test_categorical_sampler_closed_form(P):
     sampler = P.CategoricalSampler(nnx.Rngs(0))
     logits = jnp.array([[0.0, 1.0, 2.0], [3.0, -1.0, 0.5]])
     actions = jnp.array([2, 1])
@@ -72,7 +72,7 @@ def test_categorical_sampler_closed_form():
     assert not np.allclose(other.output["log_prob"], np.log(p[[0, 1], [2, 1]]), rtol=1e-6)
 
 
-def test_categorical_sampler_frequencies():
+def test_categorical_sampler_frequencies(P):
     sampler = P.CategoricalSampler(nnx.Rngs(0))
     logits = jnp.tile(jnp.array([[0.0, 1.0, 2.0]]), (20_000, 1))
     out = sampler(sampler.initialize_state(20_000), logits)
@@ -80,7 +80,7 @@ def test_categorical_sampler_frequencies():
     np.testing.assert_allclose(frequencies, np.exp([0, 1, 2]) / np.exp([0, 1, 2]).sum(), atol=0.015)
 
 
-def test_gaussian_sampler_closed_form():
+def test_gaussian_sampler_closed_form(P):
     sampler = P.GaussianSampler(2, (-1.0, -2.0), (1.0, 2.0), nnx.Rngs(0))
     sampler.log_std[...] = jnp.array([-0.5, 0.3])
     std = np.exp([-0.5, 0.3])
@@ -100,7 +100,7 @@ def test_gaussian_sampler_closed_form():
     assert not np.allclose(clipped.output["log_prob"], expected, rtol=1e-6)
 
 
-def test_gaussian_sampler_moments():
+def test_gaussian_sampler_moments(P):
     sampler = P.GaussianSampler(1, (-100.0,), (100.0,), nnx.Rngs(0))
     sampler.log_std[...] = jnp.array([math.log(0.7)])
     out = sampler(sampler.initialize_state(20_000), jnp.full((20_000, 1), 1.5))
@@ -108,7 +108,7 @@ def test_gaussian_sampler_moments():
     assert abs(raw.mean() - 1.5) < 0.02 and abs(raw.std() - 0.7) < 0.02
 
 
-def test_bottleneck_key_carry_advances_per_env():
+def test_bottleneck_key_carry_advances_per_env(P):
     bottleneck = P.VariationalBottleneck(4, 3, 1.0, nnx.Rngs(0))
     keys = bottleneck.initialize_state(5)
     assert keys.shape == (5,)
@@ -122,3 +122,27 @@ def test_bottleneck_key_carry_advances_per_env():
     # a single env's draw does not depend on the batch it is sliced into
     alone = bottleneck(keys[2:3], x[2:3])
     np.testing.assert_allclose(alone.output[0], first.output[2], atol=1e-6)
+
+
+@pytest.mark.parametrize("env_id, keep", [("CartPole-v1", [0, 2]), ("Pendulum-v1", [0, 1])])
+def test_mask_velocity_keeps_positions_only(P, env_id, keep):
+    """Reset, step and the pre-reset final observation all lose exactly the velocity entries."""
+    env, params = P.make_env(env_id)
+    masked, _ = P.make_env(env_id, mask_velocity=True)
+    params = params.replace(max_steps_in_episode=3)  # an episode end within the loop below
+    assert masked.observation_space(params).shape == (2,)
+    key = jax.random.key(0)
+    obs, state = env.reset(key, params)
+    masked_obs, masked_state = masked.reset(key, params)
+    np.testing.assert_array_equal(masked_obs, obs[np.array(keep)])
+    action = env.action_space(params).sample(key)
+    for _ in range(4):
+        key, step_key = jax.random.split(key)
+        obs, state, *_, info = env.step(step_key, state, action, params)
+        masked_obs, masked_state, *_, masked_info = masked.step(step_key, masked_state, action,
+                                                                params)
+        np.testing.assert_array_equal(masked_obs, obs[np.array(keep)])
+        np.testing.assert_array_equal(masked_info["final_observation"],
+                                      info["final_observation"][np.array(keep)])
+    # negative control: the velocities are not what the mask kept
+    assert not np.allclose(masked_info["final_observation"], info["final_observation"][[1, 2]])

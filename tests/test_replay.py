@@ -110,15 +110,22 @@ def test_final_observation_is_the_pre_reset_one(recorded):
     assert not same[done].any()
 
 
-class ModuleRngBottleneck(P.VariationalBottleneck):
+def module_rng_bottleneck(script):
     """The bug the per-env key carry exists to prevent: eps from the module-level nnx.Rngs."""
 
-    def __call__(self, key, x, rollout_extras=None):
-        mean = self.mean(x)
-        std = jax.nn.softplus(self.pre_std(x)) + 1e-6
-        eps = jax.random.normal(self.rngs(), mean.shape)
-        kl = 0.5 * jnp.sum(mean**2 + std**2 - 1.0 - 2.0 * jnp.log(std), axis=-1)
-        return P.Output(key, mean + std * eps, self.kl_coef * kl, {"losses/kl": kl.mean()}, ())
+    class ModuleRngBottleneck(script.VariationalBottleneck):
+        def __call__(self, key, x, rollout_extras=None):
+            mean = self.mean(x)
+            std = jax.nn.softplus(self.pre_std(x)) + 1e-6
+            eps = jax.random.normal(self.rngs(), mean.shape)
+            kl = 0.5 * jnp.sum(mean**2 + std**2 - 1.0 - 2.0 * jnp.log(std), axis=-1)
+            return script.Output(key, mean + std * eps, self.kl_coef * kl,
+                                 {"losses/kl": kl.mean()}, ())
+
+    return ModuleRngBottleneck
+
+
+ModuleRngBottleneck = module_rng_bottleneck(P)
 
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])

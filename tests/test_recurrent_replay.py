@@ -1,0 +1,166 @@
+"""ppo_nnx_vae_lstm.py: replaying whole sequences from the stored carry reproduces the rollout.
+
+A tiny rollout is recorded with the real `rollout` (the second of two, so the carry it starts from
+is not the initial one), then replayed with the real `replay` over minibatches of whole env
+sequences. Every output, LSTM state and key must come back within 1e-6 at every (step, env); a
+replay from a zero carry, one that skips the resets, and a bottleneck with a module-level RNG
+must fail the same check.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import ppo_nnx_vae_lstm as R
+from test_replay import module_rng_bottleneck
+
+TOL = 1e-6
+NUM_ENVS, NUM_STEPS = 4, 48
+MINIBATCH_COUNTS = (1, 2, NUM_ENVS)
+# Short time limits so that one rollout holds several episode ends of both kinds.
+MAX_STEPS = {"CartPole-v1": 30, "Pendulum-v1": 20}
+
+
+def record_and_replay(env_id: str):
+    """Roll out twice, then replay the second rollout: as recorded and with the two bugs."""
+    args = R.Args(env_id=env_id, num_envs=NUM_ENVS, num_steps=NUM_STEPS, hidden_size=16,
+                  lstm_size=16, latent_size=8)
+    env, env_params = R.make_env(env_id)
+    env_params = env_params.replace(max_steps_in_episode=MAX_STEPS[env_id])
+
+    @jax.jit
+    def run(key):
+        init_key, reset_key, runner_key, shuffle_key = jax.random.split(key, 4)
+        model = R.build_model(args, env, env_params, nnx.Rngs(init_key))
+        carry = model.initialize_state(NUM_ENVS)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
+            jax.random.split(reset_key, NUM_ENVS), env_params)
+        runner = R.Runner(env_state, R.flatten_obs(obs), carry, jnp.zeros(NUM_ENVS),
+                          jnp.zeros(NUM_ENVS, jnp.int32), runner_key)
+        rest, runner, _ = R.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
+        rest, _, t = R.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
+        start = jax.tree.map(lambda x: x[0], t.carry)
+        batch = R.Batch(t.obs, start, t.rollout_extras, t.terminated | t.truncated,
+                        t.output["log_prob"], t.output["value"], t.reward, t.reward)
+        permutation = R.epoch_permutations(shuffle_key, NUM_ENVS, 1)[0]
+        inverse = jnp.argsort(permutation)
+
+        def replay_by_env(batch, count):
+            """Replay in `count` minibatches of whole sequences; results back in env order."""
+
+            def step(rest, minibatch):
+                out, carries, rest = R.replay(graphdef, params, rest, minibatch)
+                return rest, (out.output, carries)
+
+            minibatches = R.split_minibatches(batch, permutation, count)
+            _, replayed = jax.lax.scan(step, rest, minibatches)
+            # [count, T, envs per minibatch, ...] -> [T, B, ...], then undo the shuffle
+            return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(
+                (NUM_STEPS, NUM_ENVS) + x.shape[3:])[:, inverse], replayed)
+
+        replayed = {count: replay_by_env(batch, count) for count in MINIBATCH_COUNTS}
+        zero_lstm = {**start, "lstm": jax.tree.map(jnp.zeros_like, start["lstm"])}
+        broken = {
+            "zero carry": replay_by_env(batch._replace(carry=zero_lstm), 2),
+            "skipped reset": replay_by_env(batch._replace(done=jnp.zeros_like(batch.done)), 2),
+        }
+        model = nnx.merge(graphdef, params, rest)
+        bootstrap = model.value(R.flatten_steps(t.next_carry),
+                                R.flatten_steps(t.final_obs)).reshape(t.reward.shape)
+        blank = model.value({**R.flatten_steps(t.next_carry), "lstm": jax.tree.map(
+            jnp.zeros_like, R.flatten_steps(t.next_carry["lstm"]))},
+            R.flatten_steps(t.final_obs)).reshape(t.reward.shape)
+        return t, replayed, broken, (bootstrap, blank)
+
+    return run(jax.random.key(0))
+
+
+def mismatch(t, replayed) -> dict:
+    """Largest difference per output and per carry entry; keys count 1 where they differ."""
+    outputs, carries = replayed
+    diffs = {k: jnp.abs(jnp.asarray(t.output[k], jnp.float32) - jnp.asarray(v, jnp.float32))
+             for k, v in outputs.items()}
+    for name in t.carry:
+        for i, (a, b) in enumerate(zip(jax.tree.leaves(t.carry[name]),
+                                       jax.tree.leaves(carries[name]))):
+            if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a, b = jax.random.key_data(a), jax.random.key_data(b)
+                diffs[f"carry/{name}/{i}"] = (a != b).astype(jnp.float32)
+            else:
+                diffs[f"carry/{name}/{i}"] = jnp.abs(a - b)
+    return {k: float(v.max()) for k, v in diffs.items()}
+
+
+ENVS = ["CartPole-v1", "Pendulum-v1"]
+
+
+@pytest.fixture(scope="module", params=ENVS)
+def recorded(request):
+    return record_and_replay(request.param)
+
+
+def test_rollout_has_episode_ends_and_a_live_start_carry(recorded):
+    t, *_ = recorded
+    ends = np.asarray(t.terminated | t.truncated).sum(axis=0)
+    assert (ends >= 1).all() and ends.sum() >= 2 * NUM_ENVS, ends
+    start_hidden = np.asarray(t.carry["lstm"][1][0])
+    assert np.abs(start_hidden).min(axis=-1).max() > 0 and np.abs(start_hidden).max() > 1e-2
+
+
+@pytest.mark.parametrize("count", MINIBATCH_COUNTS)
+def test_replay_reproduces_rollout(recorded, count):
+    t, replayed, _, _ = recorded
+    assert set(replayed[count][0]) == {"action", "log_prob", "entropy", "value", "latent"}
+    assert set(replayed[count][1]) == {"lstm", "bottleneck", "sampler"}
+    found = mismatch(t, replayed[count])
+    assert all(m <= TOL for m in found.values()), found
+
+
+@pytest.mark.parametrize("bug", ["zero carry", "skipped reset"])
+def test_negative_control_broken_replay_fails(recorded, bug):
+    """The same check fails for a replay from a zero carry, and for one that never resets."""
+    t, _, broken, _ = recorded
+    found = mismatch(t, broken[bug])
+    for key in ("log_prob", "value", "latent", "carry/lstm/0", "carry/lstm/1"):
+        assert found[key] > TOL, (key, found)
+
+
+def test_reset_restores_the_initial_state_of_that_env_only(recorded):
+    """After an episode end that env's LSTM state is the initial one; the others run on."""
+    t, *_ = recorded
+    done = np.asarray(t.terminated | t.truncated)[:-1]  # ended at step t, so reset before t + 1
+    initial = R.LSTM(16, 16, nnx.Rngs(0)).initialize_state(NUM_ENVS)
+    for called, returned, first in zip(jax.tree.leaves(t.carry["lstm"]),
+                                       jax.tree.leaves(t.next_carry["lstm"]), initial):
+        called, returned = np.asarray(called)[1:], np.asarray(returned)[:-1]
+        assert np.all(called[done] == np.asarray(first)[0])
+        np.testing.assert_array_equal(called[~done], returned[~done])
+        assert np.abs(returned[done]).max() > 1e-2  # so the reset really changed something
+    # the keys run on through resets
+    for name in ("bottleneck", "sampler"):
+        np.testing.assert_array_equal(jax.random.key_data(t.carry[name][1:]),
+                                      jax.random.key_data(t.next_carry[name][:-1]))
+
+
+def test_bootstrap_value_continues_the_carry(recorded):
+    """V(final obs) from the step's carry is the next step's value wherever no reset came between.
+
+    Negative control: the same value from a blank LSTM state does not pass.
+    """
+    t, _, _, (bootstrap, blank) = recorded
+    done = np.asarray(t.terminated | t.truncated)[:-1]
+    next_value = np.asarray(t.output["value"])[1:]
+    assert np.abs(np.asarray(bootstrap)[:-1][~done] - next_value[~done]).max() <= TOL
+    assert np.abs(np.asarray(blank)[:-1][~done] - next_value[~done]).max() > TOL
+
+
+def test_negative_control_module_rng_breaks_replay(monkeypatch):
+    """The same check must fail for a bottleneck that draws from a module-level RNG."""
+    monkeypatch.setattr(R, "VariationalBottleneck", module_rng_bottleneck(R))
+    t, replayed, _, _ = record_and_replay("CartPole-v1")
+    for count in MINIBATCH_COUNTS:
+        found = mismatch(t, replayed[count])
+        assert found["latent"] > 1e-2 and found["log_prob"] > TOL, (count, found)
