@@ -145,4 +145,4 @@ def test_mask_velocity_keeps_positions_only(P, env_id, keep):
         np.testing.assert_array_equal(masked_info["final_observation"],
                                       info["final_observation"][np.array(keep)])
     # negative control: the velocities are not what the mask kept
-    assert not np.allclose(masked_info["final_observation"], info["final_observation"][[1, 2]])
+    assert not np.allclose(masked_info["final_observation"], info["final_observation"][np.array([1, 2])])
