@@ -52,21 +52,21 @@ class Args:
     """the id of the gymnax environment"""
     mask_velocity: bool = False
     """hide the velocities from the observation (CartPole-v1, Pendulum-v1): a task needing memory"""
-    total_timesteps: int = 500_000
+    total_timesteps: int = 1_000_000
     """total env steps of the experiment (per seed)"""
-    learning_rate: float = 2.5e-4
+    learning_rate: float = 1e-3
     """the learning rate of the optimizer"""
-    num_envs: int = 4
+    num_envs: int = 32
     """the number of parallel game environments"""
-    num_steps: int = 128
-    """the number of steps to run in each environment per policy rollout"""
+    num_steps: int = 32
+    """the number of steps to run in each environment per policy rollout (the replayed sequence)"""
     anneal_lr: bool = True
     """toggle learning rate annealing for policy and value networks"""
-    gamma: float = 0.99
+    gamma: float = 0.98
     """the discount factor gamma"""
-    gae_lambda: float = 0.95
+    gae_lambda: float = 0.98
     """the lambda for the general advantage estimation"""
-    num_minibatches: int = 4
+    num_minibatches: int = 2
     """the number of mini-batches, each a group of whole env sequences (must divide num_envs)"""
     update_epochs: int = 4
     """the K epochs to update the policy"""
@@ -76,7 +76,7 @@ class Args:
     """the surrogate clipping coefficient"""
     clip_vloss: bool = True
     """toggles whether or not to use a clipped loss for the value function"""
-    ent_coef: float = 0.01
+    ent_coef: float = 0.0
     """coefficient of the entropy"""
     vf_coef: float = 0.5
     """coefficient of the value function"""
@@ -87,7 +87,7 @@ class Args:
     """seeds trained at once by jax.vmap, in one compiled program"""
     hidden_size: int = 64
     """width of the tanh encoder layer and of the actor's and critic's hidden layer"""
-    lstm_size: int = 128
+    lstm_size: int = 32
     """size of the LSTM's state"""
     latent_size: int = 16
     """size of the VariationalBottleneck after the LSTM (0 = no bottleneck)"""
@@ -277,9 +277,28 @@ class LSTM(StatefulModule):
     def reset_state(self, carry):
         return jax.tree.map(jnp.zeros_like, carry)  # the initial state: a new episode starts blank
 
+    def cell_step(self, carry, projected_x):
+        """The cell's arithmetic (OptimizedLSTMCell's), given its input product dense_i(x)."""
+        c, h = carry
+        i, f, g, o = jnp.split(projected_x + self.cell.dense_h(h), 4, axis=-1)
+        c = self.cell.gate_fn(f) * c + self.cell.gate_fn(i) * self.cell.activation_fn(g)
+        h = self.cell.gate_fn(o) * self.cell.activation_fn(c)
+        return (c, h), h
+
     def __call__(self, carry, x, rollout_extras=None):
-        next_carry, y = self.cell(carry, x)
+        next_carry, y = self.cell_step(carry, self.cell.dense_i(x))
         return Output(next_carry, y, jnp.zeros(x.shape[0]), {}, ())
+
+    def unroll(self, carry, xs, done, rollout_extras=None):
+        """The input product of all T steps in one go; only the recurrent product steps in time."""
+
+        def step(carry, inputs):
+            projected_x, done = inputs
+            next_carry, y = self.cell_step(carry, projected_x)
+            return carry_after_step(self, next_carry, done), (next_carry, y, carry)
+
+        next_carries, ys, carries = jax.lax.scan(step, carry, (self.cell.dense_i(xs), done))[1]
+        return Output(next_carries, ys, jnp.zeros(done.shape), {}, ()), carries
 
 
 class VariationalBottleneck(KeyCarryModule):

@@ -164,3 +164,26 @@ def test_negative_control_module_rng_breaks_replay(monkeypatch):
     for count in MINIBATCH_COUNTS:
         found = mismatch(t, replayed[count])
         assert found["latent"] > 1e-2 and found["log_prob"] > TOL, (count, found)
+
+
+def test_unroll_overrides_match_stepping_the_call():
+    """LSTM and KeyCarryModule batch what they can in `unroll`; the protocol's default `unroll`
+    steps `__call__` through time. Both must give the same, resets included."""
+    T, B = 6, 4
+    xs = jax.random.normal(jax.random.key(2), (T, B, 3))
+    done = jnp.zeros((T, B), bool).at[2, 1].set(True).at[4, 0].set(True)
+    lstm = R.LSTM(3, 5, nnx.Rngs(0))
+    bottleneck = R.VariationalBottleneck(3, 2, 1.0, nnx.Rngs(1))
+    live = (jnp.full((B, 5), 0.5), jnp.full((B, 5), -0.3))
+    for module, carry in ((lstm, live), (bottleneck, bottleneck.initialize_state(B))):
+        fast, fast_carries = module.unroll(carry, xs, done)
+        slow, slow_carries = R.StatefulModule.unroll(module, carry, xs, done)
+        np.testing.assert_allclose(fast.output, slow.output, atol=TOL)
+        np.testing.assert_allclose(fast.regularization_loss, slow.regularization_loss, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(fast_carries), jax.tree.leaves(slow_carries)):
+            if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+                a, b = jax.random.key_data(a), jax.random.key_data(b)
+            np.testing.assert_allclose(a, b, atol=TOL)
+    # negative control: without the resets the LSTM's outputs differ after the first one
+    slow, _ = R.StatefulModule.unroll(lstm, live, xs, jnp.zeros_like(done))
+    assert np.abs(np.asarray(lstm.unroll(live, xs, done)[0].output - slow.output)).max() > 1e-3
