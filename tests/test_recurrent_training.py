@@ -56,3 +56,11 @@ def test_minibatches_must_divide_the_envs(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--num-minibatches 4" in err[0] and "--num-envs 6" in err[0], err
+
+
+def test_cartpole_learns():
+    """Random play scores about 22 on CartPole; a short run with the defaults must clear that."""
+    train = jax.jit(R.make_train(R.Args(total_timesteps=160 * 1024)))
+    _, metrics = train(jax.random.key(0))
+    final = R.final_return(metrics)
+    assert final > 150, final
