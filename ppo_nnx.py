@@ -160,6 +160,17 @@ class StatefulModule(nnx.Module):
         raise NotImplementedError
 
 
+def where_done(done: jax.Array, reset: Any, keep: Any) -> Any:
+    """Per env, `reset` where the episode ended and `keep` elsewhere."""
+    return jax.tree.map(
+        lambda r, k: jnp.where(done.reshape(done.shape + (1,) * (k.ndim - 1)), r, k), reset, keep)
+
+
+def flatten_steps(tree):
+    """[T, B, ...] -> [T * B, ...]."""
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
+
+
 def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Advance each env's key on its own: (next keys, keys to draw from), both [B]."""
     both = jax.vmap(jax.random.split)(keys)
@@ -178,8 +189,8 @@ class KeyCarryModule(StatefulModule):
     observations, so a replay minibatch of any size draws exactly what the rollout drew.
     `self.rngs` is read only by `initialize_state`: a module-level RNG advanced in `__call__`
     would start replay from the post-rollout state, and would hand out different subkeys to
-    batches of different sizes. `reset_state` keeps the key chain: it only has to advance
-    deterministically within an episode.
+    batches of different sizes. `reset_state` keeps the key chain running through episode ends:
+    a fixed key at every reset would repeat the same noise in every episode.
     """
 
     def __init__(self, rngs: nnx.Rngs):
@@ -329,7 +340,7 @@ class ActorCritic(StatefulModule):
 # ----------------------------------------------------------------------------------------------
 # Environment
 # ----------------------------------------------------------------------------------------------
-VELOCITY_FREE = {"CartPole-v1": (0, 2), "Pendulum-v1": (0, 1)}  # the entries --mask-velocity keeps
+POSITIONS = {"CartPole-v1": (0, 2), "Pendulum-v1": (0, 1)}  # the entries --mask-velocity keeps
 
 
 class MaskVelocity:
@@ -356,8 +367,10 @@ class MaskVelocity:
                      for b in (space.low, space.high))
         return gymnax.environments.spaces.Box(low, high, (len(self.keep),), space.dtype)
 
-    def action_space(self, params):
-        return self.env.action_space(params)
+    def __getattr__(self, name):  # the rest (action_space, default_params, ...) as the env's
+        if name.startswith("__") or name == "env":
+            raise AttributeError(name)
+        return getattr(self.env, name)
 
 
 def make_env(env_id: str, mask_velocity: bool = False):
@@ -365,8 +378,8 @@ def make_env(env_id: str, mask_velocity: bool = False):
     if env_id not in gymnax.registered_envs:
         raise ValueError(f"--env-id {env_id!r} is not a gymnax environment; choose one of: "
                          + ", ".join(gymnax.registered_envs))
-    if mask_velocity and env_id not in VELOCITY_FREE:
-        raise ValueError(f"--mask-velocity supports --env-id {' or '.join(VELOCITY_FREE)}, "
+    if mask_velocity and env_id not in POSITIONS:
+        raise ValueError(f"--mask-velocity supports --env-id {' or '.join(POSITIONS)}, "
                          f"not {env_id}")
     try:
         env, env_params = gymnax.make(env_id)
@@ -377,7 +390,7 @@ def make_env(env_id: str, mask_velocity: bool = False):
         raise ValueError(f"--env-id {env_id}: action space {space} is not supported; "
                          "this script handles Discrete and Box action spaces")
     if mask_velocity:
-        env = MaskVelocity(env, VELOCITY_FREE[env_id])
+        env = MaskVelocity(env, POSITIONS[env_id])
     return env, env_params
 
 
@@ -430,12 +443,6 @@ def non_params(model: nnx.Module):
     return nnx.split(model, nnx.Param, ...)[2]
 
 
-def where_done(done: jax.Array, reset: Any, keep: Any) -> Any:
-    """Per env, `reset` where the episode ended and `keep` elsewhere."""
-    return jax.tree.map(
-        lambda r, k: jnp.where(done.reshape(done.shape + (1,) * (k.ndim - 1)), r, k), reset, keep)
-
-
 def rollout(graphdef, params, rest, env, env_params, runner: Runner, num_steps: int):
     """Run the policy for num_steps in every env: returns (rest, runner, [T, B] transitions).
 
@@ -475,6 +482,11 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, num_steps: 
 # ----------------------------------------------------------------------------------------------
 # Advantages
 # ----------------------------------------------------------------------------------------------
+def bootstrap_values(model: ActorCritic, t: Transition) -> jax.Array:
+    """V(final observation) of every step, [T, B], in one batched pass: no step waits on another."""
+    return model.value(flatten_steps(t.final_obs)).reshape(t.reward.shape)
+
+
 def compute_gae(rewards, values, next_values, terminated, truncated, gamma, gae_lambda):
     """GAE over [T, B]; returns (advantages, returns).
 
@@ -507,6 +519,12 @@ class Batch(NamedTuple):
     value: jax.Array
     advantage: jax.Array
     returns: jax.Array
+
+
+def rollout_batch(t: Transition, advantages: jax.Array, returns: jax.Array) -> Batch:
+    """The rollout as one flat batch of samples, [T * B, ...]."""
+    return flatten_steps(Batch(t.obs, t.carry, t.rollout_extras, t.output["log_prob"],
+                               t.output["value"], advantages, returns))
 
 
 def replay(graphdef, params, rest, batch: Batch) -> tuple[Output, Any]:
@@ -631,11 +649,6 @@ class TrainState(NamedTuple):
     runner: Runner
 
 
-def flatten_steps(tree):
-    """[T, B, ...] -> [T * B, ...]."""
-    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
-
-
 def make_train(args: Args, report=None, report_every: int = 1):
     """Build `train(key, seed_index=0) -> (final TrainState, metrics)`, pure and jittable.
 
@@ -668,12 +681,10 @@ def make_train(args: Args, report=None, report_every: int = 1):
                                                 env_params, state.runner, args.num_steps)
             t = transitions
             model = nnx.merge(graphdef, state.params, rest)
-            next_values = model.value(flatten_steps(t.final_obs)).reshape(t.reward.shape)
-            advantages, returns = compute_gae(t.reward, t.output["value"], next_values,
-                                              t.terminated, t.truncated, args.gamma,
-                                              args.gae_lambda)
-            batch = flatten_steps(Batch(t.obs, t.carry, t.rollout_extras, t.output["log_prob"],
-                                        t.output["value"], advantages, returns))
+            advantages, returns = compute_gae(t.reward, t.output["value"],
+                                              bootstrap_values(model, t), t.terminated,
+                                              t.truncated, args.gamma, args.gae_lambda)
+            batch = rollout_batch(t, advantages, returns)
             params, rest, opt_state, metrics = update(
                 graphdef, optimizer, state.params, rest, state.opt_state, batch,
                 update_key, args)

@@ -218,8 +218,8 @@ class KeyCarryModule(StatefulModule):
     observations, so a replay minibatch of any size draws exactly what the rollout drew.
     `self.rngs` is read only by `initialize_state`: a module-level RNG advanced in `__call__`
     would start replay from the post-rollout state, and would hand out different subkeys to
-    batches of different sizes. `reset_state` keeps the key chain: it only has to advance
-    deterministically within an episode.
+    batches of different sizes. `reset_state` keeps the key chain running through episode ends:
+    a fixed key at every reset would repeat the same noise in every episode.
     """
 
     def __init__(self, rngs: nnx.Rngs):
@@ -370,7 +370,8 @@ class ActorCritic(StatefulModule):
 
     A container: its carry and rollout_extras are dicts keyed by its stateful children, and each
     child gets its own entry. The carry holds the LSTM state and the bottleneck's and the
-    sampler's per-env keys.
+    sampler's per-env keys. The critic reads the sampled latent, so values are random too; the
+    stored keys reproduce them.
     """
 
     def __init__(self, obs_size: int, action_head: int, sampler: StatefulModule, args: Args,
@@ -452,7 +453,7 @@ class ActorCritic(StatefulModule):
 # ----------------------------------------------------------------------------------------------
 # Environment
 # ----------------------------------------------------------------------------------------------
-VELOCITY_FREE = {"CartPole-v1": (0, 2), "Pendulum-v1": (0, 1)}  # the entries --mask-velocity keeps
+POSITIONS = {"CartPole-v1": (0, 2), "Pendulum-v1": (0, 1)}  # the entries --mask-velocity keeps
 
 
 class MaskVelocity:
@@ -479,8 +480,10 @@ class MaskVelocity:
                      for b in (space.low, space.high))
         return gymnax.environments.spaces.Box(low, high, (len(self.keep),), space.dtype)
 
-    def action_space(self, params):
-        return self.env.action_space(params)
+    def __getattr__(self, name):  # the rest (action_space, default_params, ...) as the env's
+        if name.startswith("__") or name == "env":
+            raise AttributeError(name)
+        return getattr(self.env, name)
 
 
 def make_env(env_id: str, mask_velocity: bool = False):
@@ -488,8 +491,8 @@ def make_env(env_id: str, mask_velocity: bool = False):
     if env_id not in gymnax.registered_envs:
         raise ValueError(f"--env-id {env_id!r} is not a gymnax environment; choose one of: "
                          + ", ".join(gymnax.registered_envs))
-    if mask_velocity and env_id not in VELOCITY_FREE:
-        raise ValueError(f"--mask-velocity supports --env-id {' or '.join(VELOCITY_FREE)}, "
+    if mask_velocity and env_id not in POSITIONS:
+        raise ValueError(f"--mask-velocity supports --env-id {' or '.join(POSITIONS)}, "
                          f"not {env_id}")
     try:
         env, env_params = gymnax.make(env_id)
@@ -500,7 +503,7 @@ def make_env(env_id: str, mask_velocity: bool = False):
         raise ValueError(f"--env-id {env_id}: action space {space} is not supported; "
                          "this script handles Discrete and Box action spaces")
     if mask_velocity:
-        env = MaskVelocity(env, VELOCITY_FREE[env_id])
+        env = MaskVelocity(env, POSITIONS[env_id])
     return env, env_params
 
 
@@ -594,6 +597,13 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, num_steps: 
 # ----------------------------------------------------------------------------------------------
 # Advantages
 # ----------------------------------------------------------------------------------------------
+def bootstrap_values(model: ActorCritic, t: Transition) -> jax.Array:
+    """V(final observation) of every step, [T, B], from the carry that step returned: one step
+    from each stored carry, all in one batched pass, since no step waits on another."""
+    return model.value(flatten_steps(t.next_carry),
+                       flatten_steps(t.final_obs)).reshape(t.reward.shape)
+
+
 def compute_gae(rewards, values, next_values, terminated, truncated, gamma, gae_lambda):
     """GAE over [T, B]; returns (advantages, returns).
 
@@ -627,6 +637,13 @@ class Batch(NamedTuple):
     value: jax.Array
     advantage: jax.Array
     returns: jax.Array
+
+
+def rollout_batch(t: Transition, advantages: jax.Array, returns: jax.Array) -> Batch:
+    """The rollout as whole sequences, [T, B, ...], with the carry of its first step."""
+    return Batch(t.obs, jax.tree.map(lambda x: x[0], t.carry), t.rollout_extras,
+                 t.terminated | t.truncated, t.output["log_prob"], t.output["value"], advantages,
+                 returns)
 
 
 def replay(graphdef, params, rest, batch: Batch) -> tuple[Output, Any, Any]:
@@ -793,20 +810,15 @@ def make_train(args: Args, report=None, report_every: int = 1):
                                                 env_params, state.runner, args.num_steps)
             t = transitions
             model = nnx.merge(graphdef, state.params, rest)
-            # one step from each stored carry, batched over all T * B steps at once
-            next_values = model.value(flatten_steps(t.next_carry),
-                                      flatten_steps(t.final_obs)).reshape(t.reward.shape)
-            advantages, returns = compute_gae(t.reward, t.output["value"], next_values,
-                                              t.terminated, t.truncated, args.gamma,
-                                              args.gae_lambda)
-            done = t.terminated | t.truncated
-            start_carry = jax.tree.map(lambda x: x[0], t.carry)
-            batch = Batch(t.obs, start_carry, t.rollout_extras, done, t.output["log_prob"],
-                          t.output["value"], advantages, returns)
+            advantages, returns = compute_gae(t.reward, t.output["value"],
+                                              bootstrap_values(model, t), t.terminated,
+                                              t.truncated, args.gamma, args.gae_lambda)
+            batch = rollout_batch(t, advantages, returns)
             params, rest, opt_state, metrics = update(
                 graphdef, optimizer, state.params, rest, state.opt_state, batch,
                 update_key, args)
 
+            done = t.terminated | t.truncated
             episodes = done.sum()
             metrics.update({
                 "global_step": (i + 1) * args.batch_size,

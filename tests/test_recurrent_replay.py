@@ -23,10 +23,10 @@ MINIBATCH_COUNTS = (1, 2, NUM_ENVS)
 MAX_STEPS = {"CartPole-v1": 30, "Pendulum-v1": 20}
 
 
-def record_and_replay(env_id: str):
+def record_and_replay(env_id: str, latent_size: int = 8):
     """Roll out twice, then replay the second rollout: as recorded and with the two bugs."""
     args = R.Args(env_id=env_id, num_envs=NUM_ENVS, num_steps=NUM_STEPS, hidden_size=16,
-                  lstm_size=16, latent_size=8)
+                  lstm_size=16, latent_size=latent_size)
     env, env_params = R.make_env(env_id)
     env_params = env_params.replace(max_steps_in_episode=MAX_STEPS[env_id])
 
@@ -42,9 +42,8 @@ def record_and_replay(env_id: str):
                           jnp.zeros(NUM_ENVS, jnp.int32), runner_key)
         rest, runner, _ = R.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
         rest, _, t = R.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
-        start = jax.tree.map(lambda x: x[0], t.carry)
-        batch = R.Batch(t.obs, start, t.rollout_extras, t.terminated | t.truncated,
-                        t.output["log_prob"], t.output["value"], t.reward, t.reward)
+        batch = R.rollout_batch(t, t.reward, t.reward)  # as the training loop builds it
+        start = batch.carry
         permutation = R.epoch_permutations(shuffle_key, NUM_ENVS, 1)[0]
         inverse = jnp.argsort(permutation)
 
@@ -68,11 +67,10 @@ def record_and_replay(env_id: str):
             "skipped reset": replay_by_env(batch._replace(done=jnp.zeros_like(batch.done)), 2),
         }
         model = nnx.merge(graphdef, params, rest)
-        bootstrap = model.value(R.flatten_steps(t.next_carry),
-                                R.flatten_steps(t.final_obs)).reshape(t.reward.shape)
-        blank = model.value({**R.flatten_steps(t.next_carry), "lstm": jax.tree.map(
-            jnp.zeros_like, R.flatten_steps(t.next_carry["lstm"]))},
-            R.flatten_steps(t.final_obs)).reshape(t.reward.shape)
+        bootstrap = R.bootstrap_values(model, t)  # as the training loop computes it
+        blank_lstm = jax.tree.map(jnp.zeros_like, t.next_carry["lstm"])
+        blank = R.bootstrap_values(model, t._replace(next_carry={**t.next_carry,
+                                                                 "lstm": blank_lstm}))
         return t, replayed, broken, (bootstrap, blank)
 
     return run(jax.random.key(0))
@@ -94,12 +92,12 @@ def mismatch(t, replayed) -> dict:
     return {k: float(v.max()) for k, v in diffs.items()}
 
 
-ENVS = ["CartPole-v1", "Pendulum-v1"]
+CASES = [("CartPole-v1", 8), ("Pendulum-v1", 8), ("CartPole-v1", 0)]
 
 
-@pytest.fixture(scope="module", params=ENVS)
+@pytest.fixture(scope="module", params=CASES, ids=[f"{e}-latent{l}" for e, l in CASES])
 def recorded(request):
-    return record_and_replay(request.param)
+    return record_and_replay(*request.param)
 
 
 def test_rollout_has_episode_ends_and_a_live_start_carry(recorded):
@@ -113,8 +111,9 @@ def test_rollout_has_episode_ends_and_a_live_start_carry(recorded):
 @pytest.mark.parametrize("count", MINIBATCH_COUNTS)
 def test_replay_reproduces_rollout(recorded, count):
     t, replayed, _, _ = recorded
-    assert set(replayed[count][0]) == {"action", "log_prob", "entropy", "value", "latent"}
-    assert set(replayed[count][1]) == {"lstm", "bottleneck", "sampler"}
+    assert set(replayed[count][0]) == {"action", "log_prob", "entropy", "value"} | (
+        {"latent"} if "bottleneck" in t.carry else set())
+    assert set(replayed[count][1]) == set(t.carry) and {"lstm", "sampler"} <= set(t.carry)
     found = mismatch(t, replayed[count])
     assert all(m <= TOL for m in found.values()), found
 
@@ -124,7 +123,8 @@ def test_negative_control_broken_replay_fails(recorded, bug):
     """The same check fails for a replay from a zero carry, and for one that never resets."""
     t, _, broken, _ = recorded
     found = mismatch(t, broken[bug])
-    for key in ("log_prob", "value", "latent", "carry/lstm/0", "carry/lstm/1"):
+    for key in ("log_prob", "value", "carry/lstm/0", "carry/lstm/1") + (
+            ("latent",) if "bottleneck" in t.carry else ()):
         assert found[key] > TOL, (key, found)
 
 
@@ -140,7 +140,7 @@ def test_reset_restores_the_initial_state_of_that_env_only(recorded):
         np.testing.assert_array_equal(called[~done], returned[~done])
         assert np.abs(returned[done]).max() > 1e-2  # so the reset really changed something
     # the keys run on through resets
-    for name in ("bottleneck", "sampler"):
+    for name in set(t.carry) - {"lstm"}:
         np.testing.assert_array_equal(jax.random.key_data(t.carry[name][1:]),
                                       jax.random.key_data(t.next_carry[name][:-1]))
 

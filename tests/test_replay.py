@@ -40,8 +40,7 @@ def record_and_replay(env_id: str, latent_size: int):
         rest, runner, _ = P.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
         rest, _, t = P.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
         flat = P.flatten_steps(t)
-        batch = P.Batch(flat.obs, flat.carry, flat.rollout_extras, flat.output["log_prob"],
-                        flat.output["value"], flat.reward, flat.reward)
+        batch = P.rollout_batch(t, t.reward, t.reward)  # as the training loop builds it
         replayed = {}
         for count in MINIBATCH_COUNTS:
             permutation = P.epoch_permutations(shuffle_key, NUM_ENVS * NUM_STEPS, 1)[0]
