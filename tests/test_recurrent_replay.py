@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import ppo_nnx_vae_lstm as R
-from test_replay import module_rng_bottleneck
+from test_replay import module_rng_bottleneck, second_rollout
 
 TOL = 1e-6
 NUM_ENVS, NUM_STEPS = 4, 48
@@ -32,16 +32,8 @@ def record_and_replay(env_id: str, latent_size: int = 8):
 
     @jax.jit
     def run(key):
-        init_key, reset_key, runner_key, shuffle_key = jax.random.split(key, 4)
-        model = R.build_model(args, env, env_params, nnx.Rngs(init_key))
-        carry = model.initialize_state(NUM_ENVS)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            jax.random.split(reset_key, NUM_ENVS), env_params)
-        runner = R.Runner(env_state, R.flatten_obs(obs), carry, jnp.zeros(NUM_ENVS),
-                          jnp.zeros(NUM_ENVS, jnp.int32), runner_key)
-        rest, runner, _ = R.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
-        rest, _, t = R.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
+        rollout_key, shuffle_key = jax.random.split(key)
+        graphdef, params, rest, t = second_rollout(R, args, env, env_params, rollout_key)
         batch = R.rollout_batch(t, t.reward, t.reward)  # as the training loop builds it
         start = batch.carry
         permutation = R.epoch_permutations(shuffle_key, NUM_ENVS, 1)[0]

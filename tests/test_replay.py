@@ -17,7 +17,24 @@ TOL = 1e-6
 NUM_ENVS, NUM_STEPS = 4, 48
 MINIBATCH_COUNTS = (1, 2, NUM_ENVS)
 # Short time limits so that one rollout holds several episode ends of both kinds.
-MAX_STEPS = {"CartPole-v1": 30, "Pendulum-v1": 20}
+MAX_STEPS = {"CartPole-v1": 25, "Pendulum-v1": 20}
+
+
+def second_rollout(script, args, env, env_params, key):
+    """Roll out twice with `script`'s own functions, so the second starts from a used carry:
+    (graphdef, params, rest, [T, B] transitions of the second rollout)."""
+    init_key, reset_key, runner_key = jax.random.split(key, 3)
+    model = script.build_model(args, env, env_params, nnx.Rngs(init_key))
+    carry = model.initialize_state(args.num_envs)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
+        jax.random.split(reset_key, args.num_envs), env_params)
+    runner = script.Runner(env_state, script.flatten_obs(obs), carry, jnp.zeros(args.num_envs),
+                           jnp.zeros(args.num_envs, jnp.int32), runner_key)
+    rest, runner, _ = script.rollout(graphdef, params, rest, env, env_params, runner,
+                                     args.num_steps)
+    rest, _, t = script.rollout(graphdef, params, rest, env, env_params, runner, args.num_steps)
+    return graphdef, params, rest, t
 
 
 def record_and_replay(env_id: str, latent_size: int):
@@ -29,16 +46,8 @@ def record_and_replay(env_id: str, latent_size: int):
 
     @jax.jit
     def run(key):
-        init_key, reset_key, runner_key, shuffle_key = jax.random.split(key, 4)
-        model = P.build_model(args, env, env_params, nnx.Rngs(init_key))
-        carry = model.initialize_state(NUM_ENVS)
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            jax.random.split(reset_key, NUM_ENVS), env_params)
-        runner = P.Runner(env_state, P.flatten_obs(obs), carry, jnp.zeros(NUM_ENVS),
-                          jnp.zeros(NUM_ENVS, jnp.int32), runner_key)
-        rest, runner, _ = P.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
-        rest, _, t = P.rollout(graphdef, params, rest, env, env_params, runner, NUM_STEPS)
+        rollout_key, shuffle_key = jax.random.split(key)
+        graphdef, params, rest, t = second_rollout(P, args, env, env_params, rollout_key)
         flat = P.flatten_steps(t)
         batch = P.rollout_batch(t, t.reward, t.reward)  # as the training loop builds it
         replayed = {}
