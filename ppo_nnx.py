@@ -792,8 +792,13 @@ def main(args: Args) -> None:
     seeds = args.seed + np.arange(args.num_seeds)
     keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))  # seed i of N draws what --seed i draws
 
+    def train_seeds(keys, seed_indices):  # metrics get a leading seed axis either way
+        if args.num_seeds == 1:  # a vmap over one seed cost ~40% of the speed on CPU (measured)
+            return jax.tree.map(lambda x: x[None], train(keys[0], seed_indices[0]))
+        return jax.vmap(train)(keys, seed_indices)
+
     start = time.time()
-    compiled = jax.jit(jax.vmap(train)).lower(keys, jnp.arange(args.num_seeds)).compile()
+    compiled = jax.jit(train_seeds).lower(keys, jnp.arange(args.num_seeds)).compile()
     compile_time = time.time() - start
     start = progress.start = time.time()
     _, metrics = jax.block_until_ready(compiled(keys, jnp.arange(args.num_seeds)))
