@@ -191,6 +191,13 @@ def machine() -> dict:
                 python=platform.python_version())
 
 
+def describe(info: dict, found: dict) -> str:
+    """The machine and the versions, for the header of a results table."""
+    return (f"{info['cpu']} ({info['cores']} cores), devices {', '.join(info['devices'])}, "
+            f"Python {info['python']}; "
+            + ", ".join(f"{k} {v}" for k, v in found.items() if v))
+
+
 def run_round(names, settings_of, repeats, timeout_s) -> dict:
     results = {}
     for name in names:
@@ -250,9 +257,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Speed of the compiled train functions",
         "",
-        f"Measured {report['date']} on {info['cpu']} ({info['cores']} cores), "
-        f"devices {', '.join(info['devices'])}, Python {info['python']}; "
-        + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v) + ".",
+        f"Measured {report['date']} on {describe(info, report['versions'])}.",
         f"{report['rounds']} rounds of alternating processes, {report['repeats']} timed calls "
         "per process; medians over all calls. Compile time is the median over rounds. "
         f"Multi-seed runs with XLA_FLAGS={SEEDS_XLA_FLAG} (a CPU deadlock workaround).",
