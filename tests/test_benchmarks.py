@@ -60,8 +60,10 @@ def test_learning_benchmark_quick_run(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--only", "CartPole"], "--only: unknown ['CartPole']; choose run names"),
-    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
-    (["--quick"], "--quick needs --out DIR"),
+    # with a valid --out or a bad --only as a backstop: if a guard broke, nothing runs or writes
+    (["--timeout", "0", "--only", "NoSuchRun"],
+     "--timeout must be a positive number of seconds, got 0"),
+    (["--quick", "--only", "NoSuchRun"], "--quick needs --out DIR"),
 ])
 def test_learning_benchmark_rejects_bad_flags(flags, message):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "learning.py"), *flags],
