@@ -510,7 +510,8 @@ def make_env(env_id: str, mask_velocity: bool = False):
 def build_model(args: Args, env, env_params, rngs: nnx.Rngs) -> ActorCritic:
     """The actor-critic for this env; the sampler follows from the action space."""
     obs_size = int(np.prod(env.observation_space(env_params).shape, dtype=int))
-    space = env.action_space(env_params)
+    with jax.ensure_compile_time_eval():  # bounds built with jnp (Reacher-misc...) stay concrete
+        space = env.action_space(env_params)
     if isinstance(space, gymnax.environments.spaces.Discrete):
         return ActorCritic(obs_size, space.n, CategoricalSampler(rngs), args, rngs)
     shape = (int(np.prod(space.shape, dtype=int)),)
@@ -756,6 +757,7 @@ def update(graphdef, optimizer, params, rest, opt_state, batch: Batch, key, args
         grads, (metrics, rest) = jax.grad(ppo_loss, has_aux=True)(
             params, rest, graphdef, minibatch, args)
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
         return (optax.apply_updates(params, updates), rest, opt_state), metrics
 
     def epoch(state, permutation):
@@ -852,16 +854,41 @@ def final_return(metrics: dict) -> np.ndarray:
     return np.nanmean(returns[..., -window:], axis=-1)
 
 
+def first_nonfinite(args: Args, params, metrics: dict) -> Optional[str]:
+    """Where a run went NaN or infinite, in one line; None if it never did.
+
+    Reads what the compiled program returned (leading seed axis): every loss and the gradient
+    norm per iteration, then the final parameters. Nothing is checked inside the loop.
+    """
+    names = [k for k in metrics if k.startswith("losses/") and k != "losses/explained_variance"]
+    bad = np.stack([~np.isfinite(np.asarray(metrics[k])) for k in names], -1)  # [S, I, metric]
+    bad_params = ~np.all([np.isfinite(x.reshape(x.shape[0], -1)).all(-1)
+                          for x in jax.tree.leaves(params)], axis=0)  # [S]
+    if bad.any():
+        seed, iteration, metric = min(zip(*np.nonzero(bad)), key=lambda sim: (sim[1], sim[2]))
+        what = f"{names[metric]} is {float(metrics[names[metric]][seed, iteration])}"
+    elif bad_params.any():
+        seed, iteration = np.argmax(bad_params), args.num_iterations - 1
+        what = "the parameters are not finite"
+    else:
+        return None
+    return (f"seed {args.seed + seed}: {what} at iteration {iteration + 1} of "
+            f"{args.num_iterations} (global_step {(iteration + 1) * args.batch_size}); "
+            "the run diverged")
+
+
 # ----------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------
 class Progress:
-    """Host side of `report`: prints about once a second and logs every iteration to W&B."""
+    """Host side of `report`: W&B gets every report; the console a line about once a second,
+    with every seed's latest return, once all seeds have reached that step."""
 
     def __init__(self, args: Args):
         self.args, self.wandb_runs = args, []  # main fills in the W&B runs with --track
         self.latest_return = np.full(args.num_seeds, np.nan)
         self.done = np.zeros(args.num_seeds, int)
+        self.total = args.num_iterations * args.batch_size
         self.start = self.last_print = None
 
     def __call__(self, seed_index, metrics):
@@ -873,30 +900,49 @@ class Progress:
         if not math.isnan(metrics["charts/episodic_return"]):
             self.latest_return[seed_index] = metrics["charts/episodic_return"]
         self.done[seed_index] = step = int(metrics["global_step"])
-        everyone_here = self.done.min() == step  # print a step once all seeds have reached it
-        last = step == self.args.num_iterations * self.args.batch_size
-        if everyone_here and (self.last_print is None or now - self.last_print >= 1.0 or last):
-            self.last_print = now
-            sps = step * self.args.num_seeds / max(now - self.start, 1e-9)
+        if self.done.min() < step:  # print a step once every seed has reached it
+            return
+        if self.last_print is None or now - self.last_print >= 1.0 or step == self.total:
+            self.last_print, elapsed = now, max(now - self.start, 1e-9)
             returns = " ".join(f"{r:.1f}" for r in self.latest_return)
-            print(f"global_step={step:>9d}  episodic_return={returns}  SPS={sps:,.0f}", flush=True)
+            print(f"global_step={step:>9d} ({step / self.total:4.0%}, "
+                  f"{elapsed * (self.total - step) / step:.0f} s left)  "
+                  f"episodic_return={returns}  SPS={step * self.args.num_seeds / elapsed:,.0f}",
+                  flush=True)
 
 
 def init_wandb(args: Args):
-    """One W&B run per seed, named the CleanRL way and grouped, so every curve stays visible."""
+    """One W&B run per seed, named the CleanRL way and grouped, so every curve stays visible.
+
+    Without credentials, or when W&B cannot be reached, the runs are logged offline
+    (`wandb sync` uploads them later): a run never waits on a login prompt.
+    """
     import wandb
 
+    mode = None  # W&B's own choice: WANDB_MODE, else online
+    if (os.environ.get("WANDB_MODE") not in ("offline", "disabled")
+            and not wandb.login(prompt=False, verify=False)):
+        print("notice: --track found no W&B credentials (`wandb login` or WANDB_API_KEY); "
+              "logging offline to ./wandb, `wandb sync` uploads it later", file=sys.stderr)
+        mode = "offline"
     stamp = int(time.time())
     runs = []
     for i in range(args.num_seeds):
         seed = args.seed + i
-        run = wandb.init(
+        settings = dict(
             project=args.wandb_project_name, entity=args.wandb_entity,
             name=f"{args.env_id}__{args.exp_name}__{seed}__{stamp}",
             group=f"{args.env_id}__{args.exp_name}__{stamp}",
             config={**dataclasses.asdict(args), "seed": seed, "batch_size": args.batch_size,
                     "minibatch_size": args.minibatch_size, "num_iterations": args.num_iterations},
             save_code=True, reinit="create_new")
+        try:
+            run = wandb.init(mode=mode, **settings)
+        except wandb.errors.CommError as error:
+            print(f"notice: --track could not reach W&B ({str(error).splitlines()[0]}); "
+                  "logging offline to ./wandb, `wandb sync` uploads it later", file=sys.stderr)
+            mode = "offline"
+            run = wandb.init(mode=mode, **settings)
         run.define_metric("*", step_metric="global_step")
         runs.append(run)
     return runs
@@ -907,12 +953,8 @@ def main(args: Args) -> None:
         check_args(args)  # also done by make_train; here so the sizes below are safe to use
         progress = Progress(args)
         # W&B gets every iteration, as in CleanRL; the console needs about a hundred updates.
-        # Live reports only for one seed: with several vmapped seeds, a host callback inside the
-        # training loop made XLA's CPU runtime deadlock (jax 0.10.2, measured on these machines),
-        # so their metrics go to the console and W&B when the program ends.
-        live = args.num_seeds == 1
         report_every = 1 if args.track else max(1, args.num_iterations // 100)
-        train = make_train(args, progress if live else None, report_every)  # checks the env
+        train = make_train(args, progress, report_every)  # checks the env
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -922,7 +964,7 @@ def main(args: Args) -> None:
     keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))  # seed i of N draws what --seed i draws
 
     def train_seeds(keys, seed_indices):  # metrics get a leading seed axis either way
-        if args.num_seeds == 1:  # a vmap over one seed cost ~40% of the speed on CPU (measured)
+        if args.num_seeds == 1:  # a vmap over one seed is slower on CPU (benchmarks/speed.py)
             return jax.tree.map(lambda x: x[None], train(keys[0], seed_indices[0]))
         return jax.vmap(train)(keys, seed_indices)
 
@@ -930,23 +972,22 @@ def main(args: Args) -> None:
     compiled = jax.jit(train_seeds).lower(keys, jnp.arange(args.num_seeds)).compile()
     compile_time = time.time() - start
     start = progress.start = time.time()
-    _, metrics = jax.block_until_ready(compiled(keys, jnp.arange(args.num_seeds)))
+    state, metrics = jax.block_until_ready(compiled(keys, jnp.arange(args.num_seeds)))
     train_time = time.time() - start
-
-    if not live:
-        for i in range(args.num_iterations):
-            for seed_index in range(args.num_seeds):
-                progress(seed_index, jax.tree.map(lambda m: m[seed_index, i], metrics))
 
     steps = args.num_iterations * args.batch_size
     finals = final_return(metrics)
+    failure = first_nonfinite(args, state.params, metrics)
     for run, final in zip(progress.wandb_runs, finals):
         run.summary["final_episodic_return"] = float(final)
-        run.finish()
+        run.finish(exit_code=1 if failure else 0)
     print(f"summary: env={args.env_id} seeds={seeds.tolist()} "
           f"final_episodic_return={[round(float(r), 2) for r in finals]} "
           f"env_steps={steps * args.num_seeds} compile_s={compile_time:.1f} "
           f"train_s={train_time:.1f} SPS={steps * args.num_seeds / train_time:,.0f}")
+    if failure:
+        print(f"error: {failure}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,15 @@ def test_help(P):
 
 @pytest.mark.parametrize("num_seeds, seeds", [("1", "seeds=[1]"), ("2", "seeds=[1, 2]")])
 def test_tiny_run_prints_progress_and_summary(P, num_seeds, seeds):
-    """One seed reports live from the compiled loop; several report when it ends."""
+    """Progress lines come live from the compiled loop, one per report with every seed's return."""
     result = run_cli(P, *TINY, "--num-seeds", num_seeds)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     progress = [line for line in lines if line.startswith("global_step=")]
     summary = [line for line in lines if line.startswith("summary:")]
-    assert progress and progress[-1].startswith("global_step=     1024")
+    assert progress and progress[-1].startswith("global_step=     1024 (100%, 0 s left)")
+    returns = progress[-1].split("episodic_return=")[1].split()[:-1]  # the last is SPS=...
+    assert len(returns) == int(num_seeds), progress[-1]
     assert len(summary) == 1 and seeds in summary[0] and "SPS=" in summary[0]
 
 

@@ -1,0 +1,174 @@
+"""Reproducible, never hung, and loud when a run fails: seeds, the stress check, NaN, W&B.
+
+Every equality check here comes with a control that must fail it.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_cli import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import stress  # noqa: E402
+
+
+def tiny_args(P, **overrides):
+    """30 learning iterations; small enough that each compile takes a few seconds."""
+    settings = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2,
+                    hidden_size=16, total_timesteps=4 * 32 * 30)
+    if P.__name__ == "ppo_nnx_vae_lstm":
+        settings.update(lstm_size=8, latent_size=4)
+    return P.Args(**{**settings, **overrides})
+
+
+@pytest.fixture(scope="module", params=["ppo_nnx", "ppo_nnx_vae_lstm"])
+def seed_runs(request):
+    """Metrics of seeds 0..2 vmapped, and of one seed alone (not vmapped, as --num-seeds 1 runs),
+    the alone program compiled twice."""
+    P = __import__(request.param)
+    args = tiny_args(P)
+    keys = jax.vmap(jax.random.key)(jnp.arange(3))
+    _, vmapped = jax.jit(jax.vmap(P.make_train(args)))(keys, jnp.arange(3))
+    alone = jax.jit(P.make_train(args))
+    again = jax.jit(P.make_train(args))  # a second trace and compile of the same program
+    runs = {"vmapped": vmapped, "seed 1": alone(keys[1])[1], "seed 1 again": again(keys[1])[1],
+            "seed 2": alone(keys[2])[1]}
+    return jax.tree.map(np.asarray, runs)
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
+
+
+def same_run(a: dict, b: dict) -> bool:
+    """The same trajectory up to float reduction order: every episode return equal, every loss
+    within 1e-5 relative or 1e-6 absolute (the policy loss averages to nearly zero)."""
+    for k in a:
+        exact = k.startswith("charts/") or k == "global_step"
+        if not np.allclose(a[k], b[k], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6,
+                           equal_nan=True):
+            return False
+    return True
+
+
+def test_same_seed_twice_is_bitwise_identical(seed_runs):
+    assert bitwise_equal(seed_runs["seed 1"], seed_runs["seed 1 again"])
+    assert not bitwise_equal(seed_runs["seed 1"], seed_runs["seed 2"])  # control
+
+
+def test_vmapped_seed_matches_the_seed_alone(seed_runs):
+    """Seed i of an N-seed vmapped run is `--seed i` alone, for all 30 iterations. Not bitwise:
+    batched matmuls sum in another order, so losses differ from the second iteration at about
+    1e-7 relative (measured; 500 iterations stayed within 4e-7 and kept every return equal)."""
+    vmapped_seed_1 = {k: v[1] for k, v in seed_runs["vmapped"].items()}
+    assert same_run(vmapped_seed_1, seed_runs["seed 1"])
+    assert not same_run(vmapped_seed_1, seed_runs["seed 2"])  # control: another seed
+    assert np.isfinite(vmapped_seed_1["charts/episodic_return"]).sum() > 10  # episodes ended
+
+
+@pytest.mark.parametrize("rows", [32_769, 65_536])
+def test_no_vmapped_matvec_reduction_miscompile(rows):
+    """jax issue 39103: jaxlib 0.10.2 on CPU returned wrong sums for a vmapped mat-vec followed
+    by a reduction from 32,769 float32 rows on. 8 seeds x 64 envs x 128 steps is 65,536 rows.
+    (This test fails on jaxlib 0.10.2: 1071645696 against 1073741824 at 32,769 rows.)"""
+    i = jnp.arange(rows, dtype=jnp.float32)
+    x = jnp.stack([i, jnp.zeros_like(i), jnp.zeros_like(i)], axis=1)
+    matrix = jnp.eye(3, dtype=jnp.float32)
+    got = jax.jit(jax.vmap(lambda row: jnp.sum((matrix @ row) ** 2)))(x)
+    np.testing.assert_allclose(np.asarray(got), np.arange(rows, dtype=np.float64) ** 2, rtol=1e-6)
+
+
+def test_network_forward_at_65536_rows_matches_numpy():
+    """Our own layer shapes at the 39103 size: a vmapped critic over 8 x 8,192 rows."""
+    import ppo_nnx as P
+    from flax import nnx
+
+    critic = P.MLP([4, 64, 64, 1], out_scale=1.0, rngs=nnx.Rngs(0))
+    obs = jax.random.normal(jax.random.key(1), (8, 8192, 4))
+    got = np.asarray(jax.jit(jax.vmap(lambda o: critic(o)[:, 0].sum()))(obs))
+    x = np.asarray(obs, np.float64)
+    for layer in critic.layers[:-1]:
+        x = np.tanh(x @ np.asarray(layer.kernel[...], np.float64) + np.asarray(layer.bias[...]))
+    last = critic.layers[-1]
+    want = (x @ np.asarray(last.kernel[...], np.float64) + np.asarray(last.bias[...])).sum((1, 2))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stress check
+# ---------------------------------------------------------------------------------------------
+def test_watchdog_calls_an_idle_process_hung():
+    """Control for the stress check: a process that sleeps uses no CPU, like a deadlock."""
+    result = stress.watch([sys.executable, "-c", "import time; time.sleep(60)"],
+                          idle_timeout=3, limit=30)
+    assert result["outcome"] == "hung" and result["wall_s"] < 20, result
+
+
+def test_stress_check_short_run(tmp_path):
+    """A few runs of the README's 5-seed snippet, no XLA_FLAGS: none may hang."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stress.py"), "--runs", "3",
+         "--total-timesteps", "20480", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 hung in 3 runs" in result.stdout
+    assert "**0 hung in 3 runs**" in (tmp_path / "stress.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# A failing run says so
+# ---------------------------------------------------------------------------------------------
+def test_diverging_run_exits_1_naming_iteration_and_metric(P, capsys):
+    """--learning-rate 1e30 blows the parameters up in the first update."""
+    args = P.Args(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=1, hidden_size=16,
+                  total_timesteps=1024, num_seeds=2, learning_rate=1e30)
+    with pytest.raises(SystemExit) as exit_info:
+        P.main(args)
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 1 and len(errors) == 1, errors
+    assert errors[0].startswith("error: seed 1: losses/"), errors
+    assert "at iteration 1 of 8 (global_step 128)" in errors[0]
+
+
+def test_first_nonfinite_names_the_first_bad_iteration():
+    import ppo_nnx as P
+
+    args = P.Args(num_envs=4, num_steps=32, total_timesteps=4 * 32 * 6, seed=10, num_seeds=2)
+    metrics = {"losses/value_loss": np.ones((2, 6)), "losses/grad_norm": np.ones((2, 6)),
+               "losses/explained_variance": np.full((2, 6), np.nan),  # NaN is normal here
+               "charts/episodic_return": np.full((2, 6), np.nan)}
+    params = {"w": np.ones((2, 3))}
+    assert P.first_nonfinite(args, params, metrics) is None  # control: a healthy run
+    metrics["losses/grad_norm"][1, 4] = np.inf
+    metrics["losses/value_loss"][1, 5] = np.nan
+    assert P.first_nonfinite(args, params, metrics).startswith(
+        "seed 11: losses/grad_norm is inf at iteration 5 of 6 (global_step 640)")
+    metrics["losses/grad_norm"][1, 4] = metrics["losses/value_loss"][1, 5] = 1.0
+    params["w"][0, 2] = np.nan  # finite metrics, parameters gone bad at the end
+    assert P.first_nonfinite(args, params, metrics).startswith("seed 10: the parameters are not finite at iteration 6 of 6")
+
+
+def test_track_without_credentials_logs_offline(tmp_path):
+    """--track never waits on a login prompt: one notice, then an offline run. (With a key but no
+    server, W&B gives up after its init timeout and the run goes offline the same way.)"""
+    import ppo_nnx as P
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path))  # no ~/.netrc with a key in it
+    result = subprocess.run([sys.executable, P.__file__, *TINY, "--track"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+    notices = [line for line in result.stderr.splitlines() if line.startswith("notice: --track")]
+    assert len(notices) == 1 and "no W&B credentials" in notices[0], result.stderr
+    assert "logging offline" in notices[0]
+    assert len(list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))) == 1
