@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speed import SEEDS_XLA_FLAG, describe, machine, versions
+from speed import describe, machine, versions
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -131,14 +131,12 @@ def worker(name: str, quick: bool, out_file: Path) -> None:
 # Driver: one process per run, then CSVs, plots and the table from everything measured so far
 # ----------------------------------------------------------------------------------------------
 def run(name: str, quick: bool, timeout_s: int) -> dict:
-    environ = dict(os.environ)  # several vmapped seeds: see SEEDS_XLA_FLAG in speed.py
-    environ["XLA_FLAGS"] = (environ.get("XLA_FLAGS", "") + " " + SEEDS_XLA_FLAG).strip()
     with tempfile.TemporaryDirectory() as folder:
         out_file = Path(folder) / "run.npz"
         command = [sys.executable, __file__, "--worker", name, "--worker-out", str(out_file)]
         try:
             done = subprocess.run(command + ["--quick"] * quick, capture_output=True, text=True,
-                                  env=environ, timeout=timeout_s)
+                                  timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return dict(error=f"no result within {timeout_s} s")
         if done.returncode != 0:
@@ -273,12 +271,21 @@ def markdown(report: dict) -> str:
     lines += ["", "Sources: " + "; ".join(f"{k}: {v}" for k, v in SOURCES.items()) + ". "
               "Ours and CleanRL's are returns of the stochastic policy during training; gymnax's "
               "and SB3's evaluate a trained model."]
-    lines += ["", "Each row, reproduced (several vmapped seeds on CPU need the XLA flag, see "
-              "the README's known issues):", "", "```",
-              f"export XLA_FLAGS={SEEDS_XLA_FLAG}"]
+    lines += ["", "Each row, reproduced:", "", "```"]
     lines += [report["runs"][n].get("command", command_of(n)) for n in RUNS
               if n in report["runs"]]
     return "\n".join(lines + ["```", ""])
+
+
+def time_left(report: dict, names: list, quick: bool) -> str:
+    """The time the runs still to do took when last measured (results/learning.json)."""
+    measured = [report["runs"].get(n, {}) for n in names]
+    seconds = sum(r["compile_s"] + r["train_s"] for r in measured if "train_s" in r)
+    unknown = sum("train_s" not in r for r in measured)
+    if quick:
+        return "quick smoke run"
+    return (f"about {seconds / 60:.0f} min left by the last measured times"
+            + (f", plus {unknown} runs never measured" if unknown else ""))
 
 
 def main():
@@ -313,8 +320,10 @@ def main():
     json_path = options.out / "learning.json"
     report = json.loads(json_path.read_text()) if json_path.exists() else dict(runs={})
     report.update(machine=machine(), versions=versions(), seeds=SEEDS)
-    for name in names:
-        print(f"{name}: {command_of(name)}", flush=True)
+    start = time.perf_counter()
+    for index, name in enumerate(names):
+        print(f"[{index + 1}/{len(names)}] {name}: {command_of(name)}  "
+              f"({time_left(report, names[index:], options.quick)})", flush=True)
         result = run(name, options.quick, options.timeout)
         # a failed run's old curve goes too: the table shows its error, the plot nothing
         curves = result.pop("curves", ((), np.empty((0, 0))))
@@ -325,6 +334,7 @@ def main():
                       f"{result['compile_s']:.0f} s compile + {result['train_s']:.0f} s train"),
               flush=True)
         json_path.write_text(json.dumps(report, indent=1))  # after each run: a crash loses none
+    print(f"all {len(names)} runs in {(time.perf_counter() - start) / 60:.0f} min", flush=True)
 
     if importlib.util.find_spec("matplotlib"):
         write_plots(options.out)

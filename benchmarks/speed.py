@@ -45,11 +45,6 @@ CONFIGS = {
 }
 
 
-# XLA's concurrency-optimized CPU scheduler deadlocked vmapped multi-seed programs on these
-# machines (jax 0.10.2: 8 seeds hung in 3 of 3 runs); with it off, 8 and 32 seeds ran 7 of 7.
-SEEDS_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
 # ----------------------------------------------------------------------------------------------
 # Workers: one configuration, in this process
 # ----------------------------------------------------------------------------------------------
@@ -203,12 +198,8 @@ def run_round(names, settings_of, repeats, timeout_s) -> dict:
     for name in names:
         command = [sys.executable, __file__, "--worker", name,
                    "--settings", json.dumps(settings_of[name]), "--repeats", str(repeats)]
-        env = dict(os.environ)
-        if settings_of[name].get("num_seeds", 1) > 1:  # see SEEDS_XLA_FLAG
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + SEEDS_XLA_FLAG).strip()
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                                  env=env)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             results[name] = dict(error=f"hung: no result within {timeout_s} s")
         else:
@@ -259,8 +250,7 @@ def markdown(report: dict) -> str:
         "",
         f"Measured {report['date']} on {describe(info, report['versions'])}.",
         f"{report['rounds']} rounds of alternating processes, {report['repeats']} timed calls "
-        "per process; medians over all calls. Compile time is the median over rounds. "
-        f"Multi-seed runs with XLA_FLAGS={SEEDS_XLA_FLAG} (a CPU deadlock workaround).",
+        "per process; medians over all calls. Compile time is the median over rounds.",
         "",
         "| configuration | settings | env steps per call | compile (s) | run (s) | env steps/s |",
         "| --- | --- | --- | --- | --- | --- |",
