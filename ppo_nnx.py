@@ -721,8 +721,9 @@ def make_train(args: Args, report=None, report_every: int = 1):
 def final_return(metrics: dict) -> np.ndarray:
     """Mean episodic return over the last 5% of iterations (per seed if metrics are stacked)."""
     returns = np.asarray(metrics["charts/episodic_return"])
-    window = max(1, returns.shape[-1] // 20)
-    return np.nanmean(returns[..., -window:], axis=-1)
+    last = returns[..., -max(1, returns.shape[-1] // 20):]
+    ended = (~np.isnan(last)).sum(-1)  # NaN where no episode ended in the window
+    return np.where(ended > 0, np.nansum(last, -1) / np.maximum(ended, 1), np.nan)
 
 
 def first_nonfinite(args: Args, params, metrics: dict) -> Optional[str]:
@@ -809,7 +810,7 @@ def init_wandb(args: Args):
             save_code=True, reinit="create_new")
         try:
             run = wandb.init(mode=mode, **settings)
-        except wandb.errors.CommError as error:
+        except wandb.errors.Error as error:  # e.g. no network, or a key the server rejects
             print(f"notice: --track could not reach W&B ({str(error).splitlines()[0]}); "
                   "logging offline to ./wandb, `wandb sync` uploads it later", file=sys.stderr)
             mode = "offline"
@@ -835,7 +836,7 @@ def main(args: Args) -> None:
     keys = jax.vmap(jax.random.key)(jnp.asarray(seeds))  # seed i of N draws what --seed i draws
 
     def train_seeds(keys, seed_indices):  # metrics get a leading seed axis either way
-        if args.num_seeds == 1:  # a vmap over one seed is slower on CPU (benchmarks/speed.py)
+        if args.num_seeds == 1:  # a vmap over one seed costs speed on CPU
             return jax.tree.map(lambda x: x[None], train(keys[0], seed_indices[0]))
         return jax.vmap(train)(keys, seed_indices)
 
