@@ -17,9 +17,7 @@ import argparse
 import datetime
 import importlib.util
 import json
-import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from speed import describe, machine, versions
+from stress import watch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -134,14 +133,11 @@ def run(name: str, quick: bool, timeout_s: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out_file = Path(folder) / "run.npz"
         command = [sys.executable, __file__, "--worker", name, "--worker-out", str(out_file)]
-        try:
-            done = subprocess.run(command + ["--quick"] * quick, capture_output=True, text=True,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return dict(error=f"no result within {timeout_s} s")
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.splitlines() if any(c.isalnum() for c in line)]
-            return dict(error=lines[-1][:300] if lines else f"exit code {done.returncode}")
+        done = watch(command + ["--quick"] * quick, idle_timeout=60, limit=timeout_s)
+        if done["outcome"] == "failed":
+            return dict(error=done["last_line"] or f"exit code {done['exit_code']}")
+        if done["outcome"] != "ok":  # hung (no CPU for 60 s) or too slow
+            return dict(error=f"{done['outcome']} after {done['wall_s']} s")
         data = dict(np.load(out_file))
     final = data["final"]
     return dict(
@@ -285,7 +281,7 @@ def time_left(report: dict, names: list, quick: bool) -> str:
     if quick:
         return "quick smoke run"
     return (f"about {seconds / 60:.0f} min left by the last measured times"
-            + (f", plus {unknown} runs never measured" if unknown else ""))
+            + (f", plus {unknown} runs with no measured time" if unknown else ""))
 
 
 def main():
@@ -295,7 +291,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="two iterations, two seeds each")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--timeout", type=int, default=3 * 3600,
-                        help="seconds per run; a run past it is reported as hung")
+                        help="seconds per run at most; a run that uses no CPU for 60 s is "
+                             "stopped and reported as hung sooner")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     options = parser.parse_args()

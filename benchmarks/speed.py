@@ -11,7 +11,6 @@ Writes results/speed.json and results/speed.md.
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
