@@ -628,7 +628,6 @@ def update(graphdef, optimizer, params, rest, opt_state, batch: Batch, key, args
         grads, (metrics, rest) = jax.grad(ppo_loss, has_aux=True)(
             params, rest, graphdef, minibatch, args)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
         return (optax.apply_updates(params, updates), rest, opt_state), metrics
 
     def epoch(state, permutation):
@@ -729,8 +728,9 @@ def final_return(metrics: dict) -> np.ndarray:
 def first_nonfinite(args: Args, params, metrics: dict) -> Optional[str]:
     """Where a run went NaN or infinite, in one line; None if it never did.
 
-    Reads what the compiled program returned (leading seed axis): every loss and the gradient
-    norm per iteration, then the final parameters. Nothing is checked inside the loop.
+    Reads what the compiled program returned (leading seed axis): every loss per iteration, then
+    the final parameters, so the loop carries nothing extra. A NaN gradient shows in the losses
+    of the next minibatch (so, at an iteration's last minibatch, of the next iteration).
     """
     names = [k for k in metrics if k.startswith("losses/") and k != "losses/explained_variance"]
     bad = np.stack([~np.isfinite(np.asarray(metrics[k])) for k in names], -1)  # [S, I, metric]

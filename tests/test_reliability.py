@@ -129,16 +129,16 @@ def test_first_nonfinite_names_the_first_bad_iteration():
     import ppo_nnx as P
 
     args = P.Args(num_envs=4, num_steps=32, total_timesteps=4 * 32 * 6, seed=10, num_seeds=2)
-    metrics = {"losses/value_loss": np.ones((2, 6)), "losses/grad_norm": np.ones((2, 6)),
+    metrics = {"losses/value_loss": np.ones((2, 6)), "losses/approx_kl": np.ones((2, 6)),
                "losses/explained_variance": np.full((2, 6), np.nan),  # NaN is normal here
                "charts/episodic_return": np.full((2, 6), np.nan)}
     params = {"w": np.ones((2, 3))}
     assert P.first_nonfinite(args, params, metrics) is None  # control: a healthy run
-    metrics["losses/grad_norm"][1, 4] = np.inf
-    metrics["losses/value_loss"][1, 5] = np.nan
+    metrics["losses/value_loss"][1, 4] = np.inf
+    metrics["losses/approx_kl"][1, 5] = np.nan
     assert P.first_nonfinite(args, params, metrics).startswith(
-        "seed 11: losses/grad_norm is inf at iteration 5 of 6 (global_step 640)")
-    metrics["losses/grad_norm"][1, 4] = metrics["losses/value_loss"][1, 5] = 1.0
+        "seed 11: losses/value_loss is inf at iteration 5 of 6 (global_step 640)")
+    metrics["losses/value_loss"][1, 4] = metrics["losses/approx_kl"][1, 5] = 1.0
     params["w"][0, 2] = np.nan  # finite metrics, parameters gone bad at the end
     assert P.first_nonfinite(args, params, metrics).startswith("seed 10: the parameters are not finite at iteration 6 of 6")
 
