@@ -36,6 +36,8 @@ def test_learning_benchmark_quick_run(tmp_path):
     for only in (runs, runs[:1]):  # the second run must replace its CSV lines, not add to them
         result = subprocess.run(command + only, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr
+        assert f"[1/{len(only)}] ppo_nnx CartPole-v1: python ppo_nnx.py" in result.stdout
+        assert f"all {len(only)} runs in " in result.stdout
     report = json.loads((tmp_path / "learning.json").read_text())
     assert sorted(report["runs"]) == sorted(runs)
     for name in runs:
