@@ -920,12 +920,15 @@ def init_wandb(args: Args):
     """
     import wandb
 
+    def offline(why: str) -> str:
+        print(f"notice: --track {why}; logging offline to ./wandb, `wandb sync` uploads it later",
+              file=sys.stderr)
+        return "offline"
+
     mode = None  # W&B's own choice: WANDB_MODE, else online
     if (os.environ.get("WANDB_MODE") not in ("offline", "disabled")
             and not wandb.login(prompt=False, verify=False)):
-        print("notice: --track found no W&B credentials (`wandb login` or WANDB_API_KEY); "
-              "logging offline to ./wandb, `wandb sync` uploads it later", file=sys.stderr)
-        mode = "offline"
+        mode = offline("found no W&B credentials (`wandb login` or WANDB_API_KEY)")
     stamp = int(time.time())
     runs = []
     for i in range(args.num_seeds):
@@ -940,9 +943,7 @@ def init_wandb(args: Args):
         try:
             run = wandb.init(mode=mode, **settings)
         except wandb.errors.Error as error:  # e.g. no network, or a key the server rejects
-            print(f"notice: --track could not reach W&B ({str(error).splitlines()[0]}); "
-                  "logging offline to ./wandb, `wandb sync` uploads it later", file=sys.stderr)
-            mode = "offline"
+            mode = offline(f"could not reach W&B ({str(error).splitlines()[0]})")
             run = wandb.init(mode=mode, **settings)
         run.define_metric("*", step_metric="global_step")
         runs.append(run)
