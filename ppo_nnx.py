@@ -520,7 +520,7 @@ def first_nonfinite(args: Args, params, metrics: dict) -> Optional[str]:
         seed, i, k = min(zip(*np.nonzero(bad)), key=lambda sik: sik[1:])
         what = f"{names[k]} is {float(metrics[names[k]][seed, i])}"
     elif bad_params.any():
-        seed, i, what = bad_params.argmax(), args.num_iterations - 1, "the parameters are NaN or inf"
+        seed, i, what = bad_params.argmax(), args.num_iterations - 1, "the weights are not finite"
     else:
         return None
     return (f"seed {args.seed + seed}: {what} at iteration {i + 1} of {args.num_iterations} "
