@@ -341,17 +341,18 @@ def compute_gae(t: Transition, next_values: jax.Array, args: Args):
 
 
 # ======================================= Loss replay =======================================
-# Samples, [N, ...]: what one loss evaluation consumes
+# What one loss evaluation consumes (rollout_batch says in what shape)
 Batch = namedtuple("Batch", "obs carry rollout_extras log_prob value advantage returns")
 
 
-def rollout_batch(t: Transition, advantages: jax.Array, returns: jax.Array) -> Batch:  # [T * B]
+def rollout_batch(t: Transition, advantages: jax.Array, returns: jax.Array) -> Batch:
+    """The rollout as samples, [T * B, ...], shuffled freely: each holds all replay needs."""
     return flatten_steps(Batch(t.obs, t.carry, t.rollout_extras, t.output["log_prob"],
                                t.output["value"], advantages, returns))
 
 
 def replay(graphdef, params, rest, batch: Batch) -> Output:
-    """The rollout's outputs, recomputed for a batch from what each sample stored."""
+    """The rollout's outputs, recomputed from what the rollout stored."""
     return merge(graphdef, params, rest)(batch.carry, batch.obs, batch.rollout_extras)
 
 
@@ -580,8 +581,7 @@ def main(args: Args) -> None:
                   + " ".join(f"{r:.1f}" for r in latest)
                   + f"  SPS={step * args.num_seeds / max(elapsed, 1e-9):,.0f}", flush=True)
 
-    # W&B gets every iteration, as in CleanRL; the console needs about a hundred reports
-    state, metrics, compile_s, (train_s,) = run(
+    state, metrics, compile_s, (train_s,) = run(  # W&B: every iteration; the console: ~100
         args, report, 1 if args.track else max(1, args.num_iterations // 100))
     finals, failure = final_return(metrics), first_nonfinite(args, state[0], metrics)
     for wandb_run, final in zip(wandb_runs, finals):

@@ -5,9 +5,9 @@
 The loss replay recomputes the rollout's outputs from stored data; before the first gradient step
 the two must agree, or PPO's ratio is wrong from the start. They agree even through random layers:
 every draw comes from a per-env key in the network's carry, stored and sliced with the data, and
-every sampled action is stored in `rollout_extras` and re-scored, never re-sampled. With memory,
-the carry also holds the LSTM state, and replay re-runs whole sequences from the stored start carry,
-resetting where the rollout reset. `diff ppo_nnx.py ppo_nnx_vae_lstm.py` shows what memory takes.
+every sampled action is stored in `rollout_extras` and re-scored, never re-sampled.
+With memory, the carry also holds the LSTM state: replay re-runs whole sequences from the stored
+start carry, resetting where the rollout reset. `diff` this file with ppo_nnx.py to see the cost.
 """
 
 import dataclasses
@@ -54,7 +54,7 @@ class Args:
     vf_coef: float = 0.5  # coefficient of the value function
     max_grad_norm: float = 0.5  # the maximum norm for the gradient clipping
     num_seeds: int = 1  # seeds trained at once by jax.vmap, in one compiled program
-    hidden_size: int = 64  # width of the tanh encoder and of the heads' hidden layers
+    hidden_size: int = 64  # width of the tanh hidden layers
     lstm_size: int = 32  # size of the LSTM's state
     latent_size: int = 16  # size of the VariationalBottleneck after the LSTM (0 = no bottleneck)
     kl_coef: float = 1e-3  # weight of the bottleneck's KL to N(0, I) in the loss
@@ -110,13 +110,13 @@ class StatefulModule(nnx.Module):
         return {n: getattr(self, n).reset_state(carry[n]) for n in self.stateful} or carry
 
     def unroll(self, carry: Any, xs: Any, done: jax.Array, rollout_extras: Any = None) -> Output:
-        """T calls of `__call__` on [T, B, ...] from `carry`, resetting it after `done` steps;
-        `next_state` holds each step's carry before the reset. Loss replay runs this; a module may
-        override it to batch what does not depend on the previous step."""
+        """T calls on [T, B, ...] from `carry`, reset after `done` steps (`next_state`: before the
+        reset). Loss replay runs this; overrides batch what does not depend on the last step."""
 
         def step(carry, inputs):
-            out = self(carry, inputs[0], inputs[2])
-            return carry_after_step(self, out.next_state, inputs[1]), out
+            x, done, rollout_extras = inputs
+            out = self(carry, x, rollout_extras)
+            return carry_after_step(self, out.next_state, done), out
 
         return jax.lax.scan(step, carry, (xs, done, rollout_extras))[1]
 
@@ -158,9 +158,7 @@ class KeyCarryModule(StatefulModule):
 
         keys = jax.lax.scan(advance, carry, done)[1]
         out = self(flatten_steps(keys), flatten_steps(xs), flatten_steps(rollout_extras))
-        def steps(tree):  # [T * B, ...] -> [T, B, ...]
-            return jax.tree.map(lambda x: x.reshape(done.shape + x.shape[1:]), tree)
-
+        steps = lambda tree: jax.tree.map(lambda x: x.reshape(done.shape + x.shape[1:]), tree)
         return Output(*map(steps, out[:3]), out.metrics, steps(out.rollout_extras))
 
 
@@ -200,8 +198,9 @@ class LSTM(StatefulModule):
         """The input product of all T steps at once; only the recurrent product steps in time."""
 
         def step(carry, inputs):
-            next_carry = self.cell_step(carry, inputs[0])
-            return carry_after_step(self, next_carry, inputs[1]), next_carry
+            projected_x, done = inputs
+            next_carry = self.cell_step(carry, projected_x)
+            return carry_after_step(self, next_carry, done), next_carry
 
         next_carries = jax.lax.scan(step, carry, (self.cell.dense_i(xs), done))[1]
         return Output(next_carries, next_carries[1], jnp.zeros(done.shape), {}, ())
@@ -264,8 +263,7 @@ class GaussianSampler(KeyCarryModule):
 
 
 class ActorCritic(StatefulModule):
-    """Encoder -> LSTM -> bottleneck (optional), read by an actor head and a critic head. The
-    critic reads the sampled latent, so values are random too: the stored keys reproduce them."""
+    """Encoder, LSTM, optional bottleneck, then actor and critic heads (values are random too)."""
 
     def __init__(self, obs_size: int, action_head: int, sampler: StatefulModule, args: Args,
                  rngs: nnx.Rngs):
@@ -300,9 +298,6 @@ class ActorCritic(StatefulModule):
                       sum(out.regularization_loss for out in outs.values()),
                       {k: v for out in outs.values() for k, v in out.metrics.items()},
                       {n: out.rollout_extras for n, out in outs.items()})
-
-    def unroll(self, carry, obs, done, rollout_extras=None):
-        return self(carry, obs, rollout_extras, done)
 
 
 # ======================================= Environment =======================================
@@ -350,7 +345,6 @@ Runner = namedtuple("Runner", "env_state obs carry episode_return episode_length
 class Transition(NamedTuple):  # one step of every env; the rollout stacks them into [T, B, ...]
     obs: jax.Array
     carry: Any  # the carry the network was called with
-    next_carry: Any  # the carry it returned, before any reset: the bootstrap continues it
     rollout_extras: Any  # the raw sampled actions, keyed like the carry
     output: dict  # action, log_prob, entropy, value (and latent)
     reward: jax.Array
@@ -359,6 +353,7 @@ class Transition(NamedTuple):  # one step of every env; the rollout stacks them 
     final_obs: jax.Array  # the observation the step led to, before any auto-reset
     episode_return: jax.Array  # of the episode that ended at this step, else 0
     episode_length: jax.Array
+    next_carry: Any  # the carry the network returned, before any reset: the bootstrap's
 
 
 def merge(graphdef, params, rest) -> ActorCritic:  # fresh variables: no write leaves a pass
@@ -378,9 +373,10 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, args: Args)
         done = terminated | truncated
         episode_return, episode_length = runner.episode_return + reward, runner.episode_length + 1
         transition = Transition(
-            runner.obs, runner.carry, out.next_state, out.rollout_extras, out.output, reward,
-            terminated, truncated, observe(info["final_observation"], args),
-            jnp.where(done, episode_return, 0.0), jnp.where(done, episode_length, 0))
+            runner.obs, runner.carry, out.rollout_extras, out.output, reward, terminated,
+            truncated, observe(info["final_observation"], args),
+            jnp.where(done, episode_return, 0.0), jnp.where(done, episode_length, 0),
+            out.next_state)
         return Runner(env_state, observe(obs, args), carry_after_step(model, out.next_state, done),
                       jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
                       key), transition
@@ -390,9 +386,8 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, args: Args)
 
 # ======================================== Advantages =======================================
 def bootstrap_values(model: ActorCritic, t: Transition) -> jax.Array:
-    """V(final observation) of every step, [T, B], one step on from the carry that step returned,
-    in one batched pass."""
-    out = model(flatten_steps(t.next_carry), flatten_steps(t.final_obs))
+    """V(final observation) of every step, [T, B], in one batched pass."""
+    out = model(flatten_steps(t.next_carry), flatten_steps(t.final_obs))  # one step on from there
     return out.output["value"].reshape(t.reward.shape)
 
 
@@ -413,20 +408,20 @@ def compute_gae(t: Transition, next_values: jax.Array, args: Args):
 
 
 # ======================================= Loss replay =======================================
-# Whole sequences of N envs, [T, N, ...], and their carry at the first step, [N, ...]
+# What one loss evaluation consumes (rollout_batch says in what shape)
 Batch = namedtuple("Batch", "obs carry rollout_extras done log_prob value advantage returns")
 
 
-def rollout_batch(t: Transition, advantages: jax.Array, returns: jax.Array) -> Batch:  # [T, B]
+def rollout_batch(t: Transition, advantages: jax.Array, returns: jax.Array) -> Batch:
+    """The rollout as whole sequences, [T, B, ...], with the carry of their first step, [B, ...]."""
     return Batch(t.obs, jax.tree.map(lambda x: x[0], t.carry), t.rollout_extras,
                  t.terminated | t.truncated, t.output["log_prob"], t.output["value"], advantages,
                  returns)
 
 
 def replay(graphdef, params, rest, batch: Batch) -> Output:
-    """The rollout's outputs: whole sequences from their start carry, reset where it reset."""
-    return merge(graphdef, params, rest).unroll(batch.carry, batch.obs, batch.done,
-                                                batch.rollout_extras)
+    """The rollout's outputs, recomputed from what the rollout stored."""
+    return merge(graphdef, params, rest)(batch.carry, batch.obs, batch.rollout_extras, batch.done)
 
 
 def split_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) -> Batch:
@@ -661,8 +656,7 @@ def main(args: Args) -> None:
                   + " ".join(f"{r:.1f}" for r in latest)
                   + f"  SPS={step * args.num_seeds / max(elapsed, 1e-9):,.0f}", flush=True)
 
-    # W&B gets every iteration, as in CleanRL; the console needs about a hundred reports
-    state, metrics, compile_s, (train_s,) = run(
+    state, metrics, compile_s, (train_s,) = run(  # W&B: every iteration; the console: ~100
         args, report, 1 if args.track else max(1, args.num_iterations // 100))
     finals, failure = final_return(metrics), first_nonfinite(args, state[0], metrics)
     for wandb_run, final in zip(wandb_runs, finals):
