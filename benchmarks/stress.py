@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from speed import describe, machine, versions  # noqa: E402
+from common import describe, machine, versions  # noqa: E402
 
 # The README's "Many seeds at once" snippet, with its sizes as parameters.
 SNIPPET = """

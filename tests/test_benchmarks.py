@@ -1,73 +1,124 @@
-"""The benchmark scripts still run (tiny budgets); their figures are measured outside the tests."""
+"""benchmarks/record.py and report.py on tiny runs: a file per run, tables and plots from them.
 
+The figures themselves are measured outside the tests (benchmarks/learning.sh and speed.sh).
+"""
+
+import importlib.metadata
 import importlib.util
 import json
+import math
+import shutil
+import statistics
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+RECORD, REPORT = ROOT / "benchmarks" / "record.py", ROOT / "benchmarks" / "report.py"
+# 2 seeds x 2 iterations of 4 envs x 128 steps: one compile of a few seconds
+TINY = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "128", "--num-seeds", "2"]
+NAME = "ppo_nnx CartPole-v1"
 
 
-def test_speed_benchmark_quick_run(tmp_path):
-    names = ["ppo_nnx", "random actions (floor)"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "speed.py"), "--quick", "--rounds", "1",
-         "--repeats", "1", "--out", str(tmp_path), "--only", *names],
-        capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "speed.json").read_text())
-    assert list(report["table"]) == names
-    for name in names:
-        row = report["table"][name]
-        assert "error" not in row, row
-        assert row["env_steps"] >= 1024 and row["sps"] > 0 and row["compile_s"] > 0
-    assert report["machine"]["cores"] >= 1 and report["versions"]["jax"]
-    table = (tmp_path / "speed.md").read_text()
-    assert table.startswith("# Speed") and "| ppo_nnx |" in table
+def python(script: Path, *argv):
+    return subprocess.run([sys.executable, str(script), *map(str, argv)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
 
 
-def test_learning_benchmark_quick_run(tmp_path):
-    runs = ["ppo_nnx CartPole-v1", "ppo_nnx_vae_lstm Pendulum-v1 masked"]
-    command = [sys.executable, str(ROOT / "benchmarks" / "learning.py"), "--quick",
-               "--out", str(tmp_path), "--only"]
-    for only in (runs, runs[:1]):  # the second run must replace its CSV lines, not add to them
-        result = subprocess.run(command + only, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr
-        assert f"[1/{len(only)}] ppo_nnx CartPole-v1: python ppo_nnx.py" in result.stdout
-        assert f"all {len(only)} runs in " in result.stdout
-    report = json.loads((tmp_path / "learning.json").read_text())
-    assert sorted(report["runs"]) == sorted(runs)
-    for name in runs:
-        row = report["runs"][name]
-        assert "error" not in row, row
-        assert len(row["final"]) == 2 and row["steps_per_seed"] > 0 and row["train_s"] > 0
-    cartpole = (tmp_path / "CartPole-v1.csv").read_text().splitlines()
-    assert cartpole[0] == "run,global_step,seed_0,seed_1"
-    assert [line.split(",")[:2] for line in cartpole[1:]] == [
-        ["ppo_nnx CartPole-v1", "512"], ["ppo_nnx CartPole-v1", "1024"]]
-    pendulum = (tmp_path / "Pendulum-v1.csv").read_text().splitlines()
-    assert len(pendulum) == 3 and pendulum[1].startswith("ppo_nnx_vae_lstm Pendulum-v1 masked,")
-    table = (tmp_path / "learning.md").read_text()
-    assert "| ppo_nnx CartPole-v1 (2 seeds, quick smoke run) | 1,024 |" in table
-    command = next(line for line in table.splitlines() if line.startswith("python ppo_nnx_vae"))
-    assert command.startswith("python ppo_nnx_vae_lstm.py --env-id Pendulum-v1 ")
-    assert command.endswith(" --mask-velocity --num-minibatches 4 --num-seeds 8")
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """A results folder laid out as learning.sh and speed.sh make it, and report.py run on it."""
+    folder = tmp_path_factory.mktemp("results")
+    for argv in (["--name", NAME, folder / "learning" / "run.json", "ppo_nnx", *TINY],
+                 ["--repeats", "2", "--name", "floor", folder / "speed" / "floor" / "round1.json",
+                  "floor", "--num-envs", "4", "--total-timesteps", "1024"]):
+        done = python(RECORD, *argv)
+        assert done.returncode == 0, done.stderr
+    done = python(REPORT, "--results", folder)
+    assert done.returncode == 0, done.stderr
+    return folder
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def csv_lines(run: dict) -> list:
+    """The lines report.py should write for a run: per iteration, each seed's return, 2 decimals."""
+    return [",".join([run["name"], str(step)] + ["" if v is None else f"{v:.2f}" for v in values])
+            for step, values in zip(run["global_step"], zip(*run["episodic_return"]))]
+
+
+def test_learning_record(results):
+    run = load(results / "learning" / "run.json")
+    assert (run["name"], run["script"], run["flags"]) == (NAME, "ppo_nnx", TINY)
+    assert run["command"] == "python ppo_nnx.py " + " ".join(TINY)
+    assert run["args"]["env_id"] == "CartPole-v1" and run["args"]["num_seeds"] == 2
+    assert run["seeds"] == [1, 2]  # --seed 1 (the default) .. seed + num_seeds - 1
+    assert run["global_step"] == [512, 1024] and run["env_steps"] == 2 * 1024
+    returns = run["episodic_return"]
+    assert len(returns) == 2 and all(len(seed) == 2 for seed in returns)
+    # random CartPole episodes last about 20 steps: every seed ends some in every iteration
+    assert all(math.isfinite(v) and v >= 1 for seed in returns for v in seed), returns
+    # final: the mean over the last 5% of iterations, here the last one; not the first one
+    assert run["final"] == pytest.approx([seed[-1] for seed in returns], rel=1e-6)
+    assert run["final"] != pytest.approx([seed[0] for seed in returns], rel=1e-6)
+    assert run["mean"] == pytest.approx(statistics.mean(run["final"]))
+    assert run["std"] == pytest.approx(statistics.pstdev(run["final"]))  # numpy's: over seeds
+    assert run["std"] != pytest.approx(statistics.stdev(run["final"]))
+    assert run["compile_s"] > 0 and len(run["train_s"]) == 1 and run["train_s"][0] > 0
+    assert run["versions"]["jax"] == importlib.metadata.version("jax")
+    assert run["machine"]["cores"] >= 1 and run["machine"]["devices"]
+    datetime.strptime(run["date"], "%Y-%m-%d %H:%M UTC")
+
+
+def test_speed_record(results):
+    floor = load(results / "speed" / "floor" / "round1.json")
+    assert (floor["name"], floor["script"]) == ("floor", "floor")
+    assert floor["args"] == {"num_envs": 4, "total_timesteps": 1024}
+    assert floor["env_steps"] == 1024  # 256 steps of 4 envs
+    assert floor["compile_s"] > 0 and len(floor["train_s"]) == 2
+    assert all(t > 0 for t in floor["train_s"])
+    assert "seeds" not in floor and "episodic_return" not in floor
+
+
+def test_report_writes_curves_and_tables(results):
+    run = load(results / "learning" / "run.json")
+    lines = (results / "CartPole-v1.csv").read_text().splitlines()
+    assert lines == ["run,global_step,seed_0,seed_1"] + csv_lines(run)
+    assert not (results / "Pendulum-v1.csv").exists()  # no run of that env
+    assert (results / "learning.md").stat().st_size > 0 and (results / "speed.md").stat().st_size
     if importlib.util.find_spec("matplotlib"):  # a benchmarks requirement, not a main one
-        assert (tmp_path / "CartPole-v1.png").stat().st_size > 0
-        assert (tmp_path / "learning.png").stat().st_size > 0
+        assert (results / "CartPole-v1.png").stat().st_size > 0
+        assert (results / "learning.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--only", "CartPole"], "--only: unknown ['CartPole']; choose run names"),
-    # with a valid --out or a bad --only as a backstop: if a guard broke, nothing runs or writes
-    (["--timeout", "0", "--only", "NoSuchRun"],
-     "--timeout must be a positive number of seconds, got 0"),
-    (["--quick", "--only", "NoSuchRun"], "--quick needs --out DIR"),
+def test_report_rewrites_from_the_files_alone(results, tmp_path):
+    """Rename a run and change its returns: its old lines go, nothing is merged in."""
+    folder = tmp_path / "results"
+    shutil.copytree(results, folder)
+    before = (folder / "CartPole-v1.csv").read_text().splitlines()
+    run = load(folder / "learning" / "run.json")
+    run["name"] = "ppo_nnx CartPole-v1 changed"
+    run["episodic_return"] = [[v + 1 for v in seed] for seed in run["episodic_return"]]
+    (folder / "learning" / "run.json").write_text(json.dumps(run))
+    done = python(REPORT, "--results", folder)
+    assert done.returncode == 0, done.stderr
+    after = (folder / "CartPole-v1.csv").read_text().splitlines()
+    assert after == ["run,global_step,seed_0,seed_1"] + csv_lines(run)
+    assert after != before and not set(after[1:]) & set(before[1:])
+
+
+@pytest.mark.parametrize("argv, message, allowed", [
+    (["nope"], "unknown SCRIPT 'nope'", "ppo_nnx_vae_lstm"),
+    (["floor", "--num-steps", "8"], "unknown flag --num-steps for floor", "--num-envs"),
+    (["ppo_nnx", "--no-such-flag", "1"], "unknown flag --no-such-flag for ppo_nnx", "--env-id"),
 ])
-def test_learning_benchmark_rejects_bad_flags(flags, message):
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "learning.py"), *flags],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_record_rejects_bad_input(tmp_path, argv, message, allowed):
+    done = python(RECORD, tmp_path / "out.json", *argv)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert message in done.stderr and allowed in done.stderr, done.stderr
+    assert not list(tmp_path.iterdir())  # wrote nothing

@@ -1,32 +1,22 @@
-"""The command line of both scripts (fixture `P`): help, a tiny run, W&B offline, bad input."""
-
-import os
-import subprocess
-import sys
+"""The command line of both scripts (fixture `script`): help, a tiny run, W&B offline, bad input."""
 
 import pytest
 
-TINY = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "32",
-        "--num-minibatches", "2", "--update-epochs", "1", "--hidden-size", "16"]
+from conftest import TINY_FLAGS, run_cli
 
 
-def run_cli(P, *flags, cwd=None, env=None):
-    return subprocess.run([sys.executable, P.__file__, *flags], cwd=cwd,
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=300)
-
-
-def test_help(P):
-    result = run_cli(P, "--help")
+def test_help(script):
+    result = run_cli(script, "--help")
     assert result.returncode == 0
-    assert all(flag in result.stdout for flag in ("--num-minibatches", "--latent-size",
-                                                  "--mask-velocity"))
+    for flag in ("--num-minibatches", "--latent-size", "--mask-velocity", "--num-seeds"):
+        assert flag in result.stdout
+    assert "the number of parallel game environments" in result.stdout  # help from the comments
 
 
 @pytest.mark.parametrize("num_seeds, seeds", [("1", "seeds=[1]"), ("2", "seeds=[1, 2]")])
-def test_tiny_run_prints_progress_and_summary(P, num_seeds, seeds):
+def test_tiny_run_prints_progress_and_summary(script, num_seeds, seeds):
     """Progress lines come live from the compiled loop, one per report with every seed's return."""
-    result = run_cli(P, *TINY, "--num-seeds", num_seeds)
+    result = run_cli(script, *TINY_FLAGS, "--num-seeds", num_seeds)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     progress = [line for line in lines if line.startswith("global_step=")]
@@ -37,8 +27,8 @@ def test_tiny_run_prints_progress_and_summary(P, num_seeds, seeds):
     assert len(summary) == 1 and seeds in summary[0] and "SPS=" in summary[0]
 
 
-def test_track_writes_offline_wandb_runs(P, tmp_path):
-    result = run_cli(P, *TINY, "--num-seeds", "2", "--track", cwd=tmp_path,
+def test_track_writes_offline_wandb_runs(script, tmp_path):
+    result = run_cli(script, *TINY_FLAGS, "--num-seeds", "2", "--track", cwd=tmp_path,
                      env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     run_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
@@ -50,11 +40,11 @@ def test_track_writes_offline_wandb_runs(P, tmp_path):
         assert data.count(b"losses/approx_kl") >= iterations
     names = b"".join(f.read_bytes() for f in run_files)
     for seed in (1, 2):
-        assert f"CartPole-v1__{P.__name__}__{seed}__".encode() in names
+        assert f"CartPole-v1__{script.__name__}__{seed}__".encode() in names
 
 
-def test_unknown_env_exits_2_via_cli(P):
-    result = run_cli(P, "--env-id", "NoSuchEnv-v0")
+def test_unknown_env_exits_2_via_cli(script):
+    result = run_cli(script, "--env-id", "NoSuchEnv-v0")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--env-id" in lines[0] and "CartPole-v1" in lines[0]
@@ -68,12 +58,24 @@ def test_unknown_env_exits_2_via_cli(P):
     (dict(update_epochs=0), "--update-epochs"),
     (dict(num_seeds=0), "--num-seeds"),
     (dict(gamma=1.5), "--gamma"),
+    (dict(learning_rate=float("nan")), "--learning-rate"),
     (dict(latent_size=-1), "--latent-size"),
     (dict(env_id="Acrobot-v1", mask_velocity=True), "--mask-velocity"),
 ])
-def test_bad_input_exits_2_with_one_line(P, capsys, overrides, flag):
+def test_bad_input_exits_2_with_one_line(script, capsys, overrides, flag):
     with pytest.raises(SystemExit) as exit_info:
-        P.main(P.Args(**overrides))
+        script.main(script.Args(**overrides))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
+
+
+def test_recurrent_minibatches_must_divide_the_envs(capsys):
+    """Minibatches hold whole sequences, so they split the envs, not the batch."""
+    import ppo_nnx_vae_lstm
+
+    with pytest.raises(SystemExit) as exit_info:
+        ppo_nnx_vae_lstm.main(ppo_nnx_vae_lstm.Args(num_envs=6, num_steps=32, num_minibatches=4))
+    assert exit_info.value.code == 2  # 4 divides the batch 6 * 32, not the 6 envs
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--num-minibatches 4" in err[0] and "--num-envs 6" in err[0], err

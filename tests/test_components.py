@@ -1,13 +1,17 @@
-"""GAE, the action samplers and the velocity mask against independent closed forms, in both
-scripts (the fixture `P` is each script module in turn)."""
+"""GAE, the action samplers, the bottleneck's keys and the velocity mask, against independent
+closed forms, in both scripts (the fixture `script` is each script module in turn)."""
 
+import dataclasses
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
+from conftest import second_rollout, tiny_args
 
 
 def gae_loop(rewards, values, next_values, terminated, truncated, gamma, lam):
@@ -38,28 +42,29 @@ def episodes():
     return {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in data.items()}
 
 
-def run_gae(P, d, terminated):
-    return P.compute_gae(jnp.asarray(d["rewards"]), jnp.asarray(d["values"]),
-                         jnp.asarray(d["next_values"]), jnp.asarray(terminated),
-                         jnp.asarray(d["truncated"]), 0.99, 0.95)
+def run_gae(script, d, terminated):
+    steps = SimpleNamespace(reward=jnp.asarray(d["rewards"]), output={"value": d["values"]},
+                            terminated=jnp.asarray(terminated), truncated=d["truncated"])
+    return script.compute_gae(steps, jnp.asarray(d["next_values"]),
+                              script.Args(gamma=0.99, gae_lambda=0.95))
 
 
-def test_gae_matches_python_loop(P, episodes):
-    advantages, returns = run_gae(P, episodes, episodes["terminated"])
+def test_gae_matches_python_loop(script, episodes):
+    advantages, returns = run_gae(script, episodes, episodes["terminated"])
     expected_adv, expected_ret = gae_loop(**episodes, gamma=0.99, lam=0.95)
     np.testing.assert_allclose(advantages, expected_adv, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(returns, expected_ret, rtol=1e-5, atol=1e-5)
 
 
-def test_negative_control_truncation_as_termination_differs(P, episodes):
+def test_negative_control_truncation_as_termination_differs(script, episodes):
     """The classic flaw (a time limit treated as terminal) must not pass the same check."""
-    advantages, _ = run_gae(P, episodes, episodes["terminated"] | episodes["truncated"])
+    advantages, _ = run_gae(script, episodes, episodes["terminated"] | episodes["truncated"])
     expected_adv, _ = gae_loop(**episodes, gamma=0.99, lam=0.95)
     assert not np.allclose(advantages, expected_adv, rtol=1e-5, atol=1e-5)
 
 
-def test_categorical_sampler_closed_form(P):
-    sampler = P.CategoricalSampler(nnx.Rngs(0))
+def test_categorical_sampler_closed_form(script):
+    sampler = script.CategoricalSampler(nnx.Rngs(0))
     logits = jnp.array([[0.0, 1.0, 2.0], [3.0, -1.0, 0.5]])
     actions = jnp.array([2, 1])
     out = sampler(sampler.initialize_state(2), logits, rollout_extras=actions)
@@ -72,16 +77,16 @@ def test_categorical_sampler_closed_form(P):
     assert not np.allclose(other.output["log_prob"], np.log(p[[0, 1], [2, 1]]), rtol=1e-6)
 
 
-def test_categorical_sampler_frequencies(P):
-    sampler = P.CategoricalSampler(nnx.Rngs(0))
+def test_categorical_sampler_frequencies(script):
+    sampler = script.CategoricalSampler(nnx.Rngs(0))
     logits = jnp.tile(jnp.array([[0.0, 1.0, 2.0]]), (20_000, 1))
     out = sampler(sampler.initialize_state(20_000), logits)
     frequencies = np.bincount(np.asarray(out.output["action"]), minlength=3) / 20_000
     np.testing.assert_allclose(frequencies, np.exp([0, 1, 2]) / np.exp([0, 1, 2]).sum(), atol=0.015)
 
 
-def test_gaussian_sampler_closed_form(P):
-    sampler = P.GaussianSampler(2, (-1.0, -2.0), (1.0, 2.0), nnx.Rngs(0))
+def test_gaussian_sampler_closed_form(script):
+    sampler = script.GaussianSampler(2, (-1.0, -2.0), (1.0, 2.0), nnx.Rngs(0))
     sampler.log_std[...] = jnp.array([-0.5, 0.3])
     std = np.exp([-0.5, 0.3])
     mean = jnp.array([[0.0, 1.0], [2.0, -3.0]])
@@ -100,16 +105,16 @@ def test_gaussian_sampler_closed_form(P):
     assert not np.allclose(clipped.output["log_prob"], expected, rtol=1e-6)
 
 
-def test_gaussian_sampler_moments(P):
-    sampler = P.GaussianSampler(1, (-100.0,), (100.0,), nnx.Rngs(0))
+def test_gaussian_sampler_moments(script):
+    sampler = script.GaussianSampler(1, (-100.0,), (100.0,), nnx.Rngs(0))
     sampler.log_std[...] = jnp.array([math.log(0.7)])
     out = sampler(sampler.initialize_state(20_000), jnp.full((20_000, 1), 1.5))
     raw = np.asarray(out.rollout_extras)[:, 0]
     assert abs(raw.mean() - 1.5) < 0.02 and abs(raw.std() - 0.7) < 0.02
 
 
-def test_bottleneck_key_carry_advances_per_env(P):
-    bottleneck = P.VariationalBottleneck(4, 3, 1.0, nnx.Rngs(0))
+def test_bottleneck_key_carry_advances_per_env(script):
+    bottleneck = script.VariationalBottleneck(4, 3, 1.0, nnx.Rngs(0))
     keys = bottleneck.initialize_state(5)
     assert keys.shape == (5,)
     x = jnp.ones((5, 4))
@@ -125,24 +130,25 @@ def test_bottleneck_key_carry_advances_per_env(P):
 
 
 @pytest.mark.parametrize("env_id, keep", [("CartPole-v1", [0, 2]), ("Pendulum-v1", [0, 1])])
-def test_mask_velocity_keeps_positions_only(P, env_id, keep):
-    """Reset, step and the pre-reset final observation all lose exactly the velocity entries."""
-    env, params = P.make_env(env_id)
-    masked, _ = P.make_env(env_id, mask_velocity=True)
-    params = params.replace(max_steps_in_episode=3)  # an episode end within the loop below
-    assert masked.observation_space(params).shape == (2,)
-    key = jax.random.key(0)
-    obs, state = env.reset(key, params)
-    masked_obs, masked_state = masked.reset(key, params)
-    np.testing.assert_array_equal(masked_obs, obs[np.array(keep)])
-    action = env.action_space(params).sample(key)
-    for _ in range(4):
-        key, step_key = jax.random.split(key)
-        obs, state, *_, info = env.step(step_key, state, action, params)
-        masked_obs, masked_state, *_, masked_info = masked.step(step_key, masked_state, action,
-                                                                params)
-        np.testing.assert_array_equal(masked_obs, obs[np.array(keep)])
-        np.testing.assert_array_equal(masked_info["final_observation"],
-                                      info["final_observation"][np.array(keep)])
-    # negative control: the velocities are not what the mask kept
-    assert not np.allclose(masked_info["final_observation"], info["final_observation"][np.array([1, 2])])
+def test_mask_velocity_keeps_positions_only(script, env_id, keep):
+    """What the network sees with --mask-velocity: positions only, final observations too."""
+    args = tiny_args(script, env_id=env_id, mask_velocity=True, num_steps=60)
+    env, env_params = script.make_env(args)
+    obs = jax.random.normal(jax.random.key(0), (3,) + env.observation_space(env_params).shape)
+    np.testing.assert_array_equal(script.observe(obs, args), obs[:, np.array(keep)])
+    masked = np.asarray(script.observe(obs, args))
+    velocities = [i for i in range(obs.shape[1]) if i not in keep]
+    assert not any(np.allclose(masked[:, j], obs[:, v]) for j in range(2) for v in velocities)
+    unmasked = script.observe(obs, dataclasses.replace(args, mask_velocity=False))
+    np.testing.assert_array_equal(unmasked, obs)  # control: without the flag, everything
+    t = second_rollout(script, args, env, env_params.replace(max_steps_in_episode=20),
+                       jax.random.key(1))[3]
+    assert t.obs.shape[-1] == t.final_obs.shape[-1] == 2
+    done = np.asarray(t.terminated | t.truncated)[:-1]
+    assert done.any()
+    np.testing.assert_array_equal(np.asarray(t.final_obs)[:-1][~done], np.asarray(t.obs)[1:][~done])
+
+
+def test_mask_velocity_is_refused_elsewhere(script):
+    with pytest.raises(ValueError, match="--mask-velocity supports"):
+        script.make_env(script.Args(env_id="Acrobot-v1", mask_velocity=True))

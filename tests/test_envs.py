@@ -20,8 +20,7 @@ CASES = ([(ppo_nnx, env_id) for env_id in gymnax.registered_envs]
          + [(ppo_nnx_vae_lstm, env_id) for env_id in RECURRENT])
 
 
-@pytest.mark.parametrize("script, env_id", CASES,
-                         ids=[f"{s.__name__}-{e}" for s, e in CASES])
+@pytest.mark.parametrize("script, env_id", CASES, ids=[f"{s.__name__}-{e}" for s, e in CASES])
 def test_env_trains_or_is_refused(script, env_id, capsys, monkeypatch):
     def offline(url, filename):  # the test never reaches for the network
         raise urllib.error.URLError("offline (test)")

@@ -1,10 +1,10 @@
-"""ppo_nnx_vae_lstm.py: replaying whole sequences from the stored carry reproduces the rollout.
+"""ppo_nnx_vae_lstm.py: replaying whole sequences from the stored start carry gives back every
+output, LSTM state and key of the rollout, at every (step, env).
 
-A tiny rollout is recorded with the real `rollout` (the second of two, so the carry it starts from
-is not the initial one), then replayed with the real `replay` over minibatches of whole env
-sequences. Every output, LSTM state and key must come back within 1e-6 at every (step, env); a
-replay from a zero carry, one that skips the resets, and a bottleneck with a module-level RNG
-must fail the same check.
+A rollout (the second of two, so its start carry is a live one) is recorded with the real
+`rollout`, then replayed with the real `replay` over minibatches of whole env sequences. A replay
+from a zero LSTM state, one that skips the resets, and a bottleneck with a module-level RNG must
+fail the same check.
 """
 
 import jax
@@ -13,75 +13,63 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import ppo_nnx_vae_lstm as R
-from test_replay import module_rng_bottleneck, second_rollout
+import ppo_nnx_vae_lstm as recurrent
+from conftest import TOL, module_rng_bottleneck, second_rollout, tiny_args
 
-TOL = 1e-6
 NUM_ENVS, NUM_STEPS = 4, 48
 MINIBATCH_COUNTS = (1, 2, NUM_ENVS)
-# Short time limits so that one rollout holds several episode ends of both kinds.
-MAX_STEPS = {"CartPole-v1": 30, "Pendulum-v1": 20}
+MAX_STEPS = {"CartPole-v1": 30, "Pendulum-v1": 20}  # several episode ends of both kinds
 
 
 def record_and_replay(env_id: str, latent_size: int = 8):
-    """Roll out twice, then replay the second rollout: as recorded and with the two bugs."""
-    args = R.Args(env_id=env_id, num_envs=NUM_ENVS, num_steps=NUM_STEPS, hidden_size=16,
-                  lstm_size=16, latent_size=latent_size)
-    env, env_params = R.make_env(env_id)
+    """(transitions, {count: replayed Output}, {bug: replayed Output}, (bootstrap, blank one))."""
+    args = tiny_args(recurrent, env_id=env_id, num_steps=NUM_STEPS, latent_size=latent_size)
+    env, env_params = recurrent.make_env(args)
     env_params = env_params.replace(max_steps_in_episode=MAX_STEPS[env_id])
 
     @jax.jit
-    def run(key):
+    def record(key):
         rollout_key, shuffle_key = jax.random.split(key)
-        graphdef, params, rest, t = second_rollout(R, args, env, env_params, rollout_key)
-        batch = R.rollout_batch(t, t.reward, t.reward)  # as the training loop builds it
-        start = batch.carry
-        permutation = R.epoch_permutations(shuffle_key, NUM_ENVS, 1)[0]
-        inverse = jnp.argsort(permutation)
+        graphdef, params, rest, t = second_rollout(recurrent, args, env, env_params, rollout_key)
+        batch = recurrent.rollout_batch(t, t.reward, t.reward)  # as the training loop builds it
+        permutation = jax.random.permutation(shuffle_key, NUM_ENVS)
 
         def replay_by_env(batch, count):
             """Replay in `count` minibatches of whole sequences; results back in env order."""
-
-            def step(rest, minibatch):
-                out, carries, rest = R.replay(graphdef, params, rest, minibatch)
-                return rest, (out.output, carries)
-
-            minibatches = R.split_minibatches(batch, permutation, count)
-            _, replayed = jax.lax.scan(step, rest, minibatches)
+            minibatches = recurrent.split_minibatches(batch, permutation, count)
+            out = jax.lax.map(lambda b: recurrent.replay(graphdef, params, rest, b), minibatches)
             # [count, T, envs per minibatch, ...] -> [T, B, ...], then undo the shuffle
             return jax.tree.map(lambda x: jnp.moveaxis(x, 0, 1).reshape(
-                (NUM_STEPS, NUM_ENVS) + x.shape[3:])[:, inverse], replayed)
+                (NUM_STEPS, NUM_ENVS) + x.shape[3:])[:, jnp.argsort(permutation)],
+                out._replace(metrics={}))
 
-        replayed = {count: replay_by_env(batch, count) for count in MINIBATCH_COUNTS}
-        zero_lstm = {**start, "lstm": jax.tree.map(jnp.zeros_like, start["lstm"])}
-        broken = {
-            "zero carry": replay_by_env(batch._replace(carry=zero_lstm), 2),
-            "skipped reset": replay_by_env(batch._replace(done=jnp.zeros_like(batch.done)), 2),
-        }
+        lstm = batch.carry["lstm"]
+        broken = {"zero carry": batch._replace(carry={**batch.carry, "lstm": jax.tree.map(
+                      jnp.zeros_like, lstm)}),
+                  "skipped reset": batch._replace(done=jnp.zeros_like(batch.done))}
         model = nnx.merge(graphdef, params, rest)
-        bootstrap = R.bootstrap_values(model, t)  # as the training loop computes it
-        blank_lstm = jax.tree.map(jnp.zeros_like, t.next_carry["lstm"])
-        blank = R.bootstrap_values(model, t._replace(next_carry={**t.next_carry,
-                                                                 "lstm": blank_lstm}))
-        return t, replayed, broken, (bootstrap, blank)
+        blank = jax.tree.map(jnp.zeros_like, t.next_carry["lstm"])
+        return (t, {count: replay_by_env(batch, count) for count in MINIBATCH_COUNTS},
+                {bug: replay_by_env(b, 2) for bug, b in broken.items()},
+                (recurrent.bootstrap_values(model, t), recurrent.bootstrap_values(
+                    model, t._replace(next_carry={**t.next_carry, "lstm": blank}))))
 
-    return run(jax.random.key(0))
+    return record(jax.random.key(0))
 
 
-def mismatch(t, replayed) -> dict:
-    """Largest difference per output and per carry entry; keys count 1 where they differ."""
-    outputs, carries = replayed
-    diffs = {k: jnp.abs(jnp.asarray(t.output[k], jnp.float32) - jnp.asarray(v, jnp.float32))
-             for k, v in outputs.items()}
-    for name in t.carry:
-        for i, (a, b) in enumerate(zip(jax.tree.leaves(t.carry[name]),
-                                       jax.tree.leaves(carries[name]))):
+def largest_difference(t, replayed) -> dict:
+    """Per output, and per leaf of the carry each step returned (keys: 1 where they differ)."""
+    found = {k: jnp.abs(jnp.asarray(t.output[k], jnp.float32) - jnp.asarray(v, jnp.float32))
+             for k, v in replayed.output.items()}
+    for name in t.next_carry:
+        pairs = zip(jax.tree.leaves(t.next_carry[name]), jax.tree.leaves(replayed.next_state[name]))
+        for i, (a, b) in enumerate(pairs):
             if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
                 a, b = jax.random.key_data(a), jax.random.key_data(b)
-                diffs[f"carry/{name}/{i}"] = (a != b).astype(jnp.float32)
+                found[f"carry/{name}/{i}"] = (a != b).astype(jnp.float32)
             else:
-                diffs[f"carry/{name}/{i}"] = jnp.abs(a - b)
-    return {k: float(v.max()) for k, v in diffs.items()}
+                found[f"carry/{name}/{i}"] = jnp.abs(a - b)
+    return {k: float(v.max()) for k, v in found.items()}
 
 
 CASES = [("CartPole-v1", 8), ("Pendulum-v1", 8), ("CartPole-v1", 0)]
@@ -103,45 +91,42 @@ def test_rollout_has_episode_ends_and_a_live_start_carry(recorded):
 @pytest.mark.parametrize("count", MINIBATCH_COUNTS)
 def test_replay_reproduces_rollout(recorded, count):
     t, replayed, _, _ = recorded
-    assert set(replayed[count][0]) == {"action", "log_prob", "entropy", "value"} | (
+    assert set(replayed[count].output) == {"action", "log_prob", "entropy", "value"} | (
         {"latent"} if "bottleneck" in t.carry else set())
-    assert set(replayed[count][1]) == set(t.carry) and {"lstm", "sampler"} <= set(t.carry)
-    found = mismatch(t, replayed[count])
-    assert all(m <= TOL for m in found.values()), found
+    assert set(replayed[count].next_state) == set(t.carry) >= {"lstm", "sampler"}
+    difference = largest_difference(t, replayed[count])
+    assert all(d <= TOL for d in difference.values()), difference
 
 
 @pytest.mark.parametrize("bug", ["zero carry", "skipped reset"])
 def test_negative_control_broken_replay_fails(recorded, bug):
-    """The same check fails for a replay from a zero carry, and for one that never resets."""
+    """The same check fails for a replay from a zero LSTM state, and for one that never resets."""
     t, _, broken, _ = recorded
-    found = mismatch(t, broken[bug])
+    difference = largest_difference(t, broken[bug])
     for key in ("log_prob", "value", "carry/lstm/0", "carry/lstm/1") + (
             ("latent",) if "bottleneck" in t.carry else ()):
-        assert found[key] > TOL, (key, found)
+        assert difference[key] > TOL, (key, difference)
 
 
 def test_reset_restores_the_initial_state_of_that_env_only(recorded):
     """After an episode end that env's LSTM state is the initial one; the others run on."""
     t, *_ = recorded
     done = np.asarray(t.terminated | t.truncated)[:-1]  # ended at step t, so reset before t + 1
-    initial = R.LSTM(16, 16, nnx.Rngs(0)).initialize_state(NUM_ENVS)
+    initial = recurrent.LSTM(16, 16, nnx.Rngs(0)).initialize_state(NUM_ENVS)
     for called, returned, first in zip(jax.tree.leaves(t.carry["lstm"]),
                                        jax.tree.leaves(t.next_carry["lstm"]), initial):
         called, returned = np.asarray(called)[1:], np.asarray(returned)[:-1]
         assert np.all(called[done] == np.asarray(first)[0])
         np.testing.assert_array_equal(called[~done], returned[~done])
         assert np.abs(returned[done]).max() > 1e-2  # so the reset really changed something
-    # the keys run on through resets
-    for name in set(t.carry) - {"lstm"}:
+    for name in set(t.carry) - {"lstm"}:  # the keys run on through resets
         np.testing.assert_array_equal(jax.random.key_data(t.carry[name][1:]),
                                       jax.random.key_data(t.next_carry[name][:-1]))
 
 
 def test_bootstrap_value_continues_the_carry(recorded):
     """V(final obs) from the step's carry is the next step's value wherever no reset came between.
-
-    Negative control: the same value from a blank LSTM state does not pass.
-    """
+    Negative control: the same value from a blank LSTM state does not pass."""
     t, _, _, (bootstrap, blank) = recorded
     done = np.asarray(t.terminated | t.truncated)[:-1]
     next_value = np.asarray(t.output["value"])[1:]
@@ -150,12 +135,12 @@ def test_bootstrap_value_continues_the_carry(recorded):
 
 
 def test_negative_control_module_rng_breaks_replay(monkeypatch):
-    """The same check must fail for a bottleneck that draws from a module-level RNG."""
-    monkeypatch.setattr(R, "VariationalBottleneck", module_rng_bottleneck(R))
+    """The same check fails for a bottleneck that draws from its module-level nnx.Rngs."""
+    monkeypatch.setattr(recurrent, "VariationalBottleneck", module_rng_bottleneck(recurrent))
     t, replayed, _, _ = record_and_replay("CartPole-v1")
     for count in MINIBATCH_COUNTS:
-        found = mismatch(t, replayed[count])
-        assert found["latent"] > 1e-2 and found["log_prob"] > TOL, (count, found)
+        difference = largest_difference(t, replayed[count])
+        assert difference["latent"] > 1e-2 and difference["log_prob"] > TOL, (count, difference)
 
 
 def test_unroll_overrides_match_stepping_the_call():
@@ -164,18 +149,18 @@ def test_unroll_overrides_match_stepping_the_call():
     T, B = 6, 4
     xs = jax.random.normal(jax.random.key(2), (T, B, 3))
     done = jnp.zeros((T, B), bool).at[2, 1].set(True).at[4, 0].set(True)
-    lstm = R.LSTM(3, 5, nnx.Rngs(0))
-    bottleneck = R.VariationalBottleneck(3, 2, 1.0, nnx.Rngs(1))
+    lstm = recurrent.LSTM(3, 5, nnx.Rngs(0))
+    bottleneck = recurrent.VariationalBottleneck(3, 2, 1.0, nnx.Rngs(1))
     live = (jnp.full((B, 5), 0.5), jnp.full((B, 5), -0.3))
     for module, carry in ((lstm, live), (bottleneck, bottleneck.initialize_state(B))):
-        fast, fast_carries = module.unroll(carry, xs, done)
-        slow, slow_carries = R.StatefulModule.unroll(module, carry, xs, done)
+        fast = module.unroll(carry, xs, done)
+        slow = recurrent.StatefulModule.unroll(module, carry, xs, done)
         np.testing.assert_allclose(fast.output, slow.output, atol=TOL)
         np.testing.assert_allclose(fast.regularization_loss, slow.regularization_loss, atol=1e-5)
-        for a, b in zip(jax.tree.leaves(fast_carries), jax.tree.leaves(slow_carries)):
+        for a, b in zip(jax.tree.leaves(fast.next_state), jax.tree.leaves(slow.next_state)):
             if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
                 a, b = jax.random.key_data(a), jax.random.key_data(b)
             np.testing.assert_allclose(a, b, atol=TOL)
     # negative control: without the resets the LSTM's outputs differ after the first one
-    slow, _ = R.StatefulModule.unroll(lstm, live, xs, jnp.zeros_like(done))
-    assert np.abs(np.asarray(lstm.unroll(live, xs, done)[0].output - slow.output)).max() > 1e-3
+    slow = recurrent.StatefulModule.unroll(lstm, live, xs, jnp.zeros_like(done))
+    assert np.abs(np.asarray(lstm.unroll(live, xs, done).output - slow.output)).max() > 1e-3

@@ -3,6 +3,8 @@
 Every equality check here comes with a control that must fail it.
 """
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -13,35 +15,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_cli import TINY
+import ppo_nnx
+from conftest import TINY_FLAGS, run_cli, tiny_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import stress  # noqa: E402
 
 
-def tiny_args(P, **overrides):
-    """30 learning iterations; small enough that each compile takes a few seconds."""
-    settings = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2,
-                    hidden_size=16, total_timesteps=4 * 32 * 30)
-    if P.__name__ == "ppo_nnx_vae_lstm":
-        settings.update(lstm_size=8, latent_size=4)
-    return P.Args(**{**settings, **overrides})
-
-
 @pytest.fixture(scope="module", params=["ppo_nnx", "ppo_nnx_vae_lstm"])
 def seed_runs(request):
-    """Metrics of seeds 0..2 vmapped, and of one seed alone (not vmapped, as --num-seeds 1 runs),
-    the alone program compiled twice."""
-    P = __import__(request.param)
-    args = tiny_args(P)
-    keys = jax.vmap(jax.random.key)(jnp.arange(3))
-    _, vmapped = jax.jit(jax.vmap(P.make_train(args)))(keys, jnp.arange(3))
-    alone = jax.jit(P.make_train(args))
-    again = jax.jit(P.make_train(args))  # a second trace and compile of the same program
-    runs = {"vmapped": vmapped, "seed 1": alone(keys[1])[1], "seed 1 again": again(keys[1])[1],
-            "seed 2": alone(keys[2])[1]}
-    return jax.tree.map(np.asarray, runs)
+    """30 iterations of seeds 0..2 vmapped, and of one seed alone (not vmapped, as --num-seeds 1
+    runs), the alone program compiled twice."""
+    script = __import__(request.param)
+    args = tiny_args(script, total_timesteps=4 * 32 * 30, latent_size=4)
+    vmapped = train(script, dataclasses.replace(args, seed=0, num_seeds=3))
+    runs = {"vmapped": vmapped, "seed 1": train(script, dataclasses.replace(args, seed=1)),
+            "seed 1 again": train(script, dataclasses.replace(args, seed=1)),
+            "seed 2": train(script, dataclasses.replace(args, seed=2))}
+    return {name: {k: v[-1] if name != "vmapped" else v for k, v in run.items()}
+            for name, run in runs.items()}
 
 
 def bitwise_equal(a: dict, b: dict) -> bool:
@@ -106,19 +99,20 @@ def test_stress_check_short_run(tmp_path):
          "--total-timesteps", "20480", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "0 hung in 3 runs" in result.stdout
-    assert "**0 hung in 3 runs**" in (tmp_path / "stress.md").read_text()
+    report = json.loads((tmp_path / "stress.json").read_text())
+    assert report["runs"] == 3 and report["counts"] == {"ok": 3}, report["counts"]
+    assert [r["outcome"] for r in report["results"]] == ["ok"] * 3
 
 
 # ---------------------------------------------------------------------------------------------
 # A failing run says so
 # ---------------------------------------------------------------------------------------------
-def test_diverging_run_exits_1_naming_iteration_and_metric(P, capsys):
+def test_diverging_run_exits_1_naming_iteration_and_metric(script, capsys):
     """--learning-rate 1e30 blows the parameters up in the first update."""
-    args = P.Args(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=1, hidden_size=16,
-                  total_timesteps=1024, num_seeds=2, learning_rate=1e30)
+    args = tiny_args(script, update_epochs=1, total_timesteps=1024, num_seeds=2,
+                     learning_rate=1e30)
     with pytest.raises(SystemExit) as exit_info:
-        P.main(args)
+        script.main(args)
     errors = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 1 and len(errors) == 1, errors
     assert errors[0].startswith("error: seed 1: losses/"), errors
@@ -126,33 +120,27 @@ def test_diverging_run_exits_1_naming_iteration_and_metric(P, capsys):
 
 
 def test_first_nonfinite_names_the_first_bad_iteration():
-    import ppo_nnx as P
-
-    args = P.Args(num_envs=4, num_steps=32, total_timesteps=4 * 32 * 6, seed=10, num_seeds=2)
+    args = ppo_nnx.Args(num_envs=4, num_steps=32, total_timesteps=4 * 32 * 6, seed=10, num_seeds=2)
     metrics = {"losses/value_loss": np.ones((2, 6)), "losses/approx_kl": np.ones((2, 6)),
                "losses/explained_variance": np.full((2, 6), np.nan),  # NaN is normal here
                "charts/episodic_return": np.full((2, 6), np.nan)}
     params = {"w": np.ones((2, 3))}
-    assert P.first_nonfinite(args, params, metrics) is None  # control: a healthy run
+    assert ppo_nnx.first_nonfinite(args, params, metrics) is None  # control: a healthy run
     metrics["losses/value_loss"][1, 4] = np.inf
     metrics["losses/approx_kl"][1, 5] = np.nan
-    assert P.first_nonfinite(args, params, metrics).startswith(
+    assert ppo_nnx.first_nonfinite(args, params, metrics).startswith(
         "seed 11: losses/value_loss is inf at iteration 5 of 6 (global_step 640)")
     metrics["losses/value_loss"][1, 4] = metrics["losses/approx_kl"][1, 5] = 1.0
     params["w"][0, 2] = np.nan  # finite metrics, parameters gone bad at the end
-    assert P.first_nonfinite(args, params, metrics).startswith("seed 10: the parameters are not finite at iteration 6 of 6")
+    assert ppo_nnx.first_nonfinite(args, params, metrics).startswith(
+        "seed 10: the weights are not finite at iteration 6 of 6")
 
 
 def test_track_without_credentials_logs_offline(tmp_path):
     """--track never waits on a login prompt: one notice, then an offline run. (With a key but no
     server, W&B gives up after its init timeout and the run goes offline the same way.)"""
-    import ppo_nnx as P
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path))  # no ~/.netrc with a key in it
-    result = subprocess.run([sys.executable, P.__file__, *TINY, "--track"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=300,
-                            stdin=subprocess.DEVNULL)
+    result = run_cli(ppo_nnx, *TINY_FLAGS, "--track", cwd=tmp_path, drop=["WANDB_"],
+                     env=dict(HOME=str(tmp_path), WANDB_DIR=str(tmp_path)))  # no ~/.netrc key
     assert result.returncode == 0, result.stderr
     notices = [line for line in result.stderr.splitlines() if line.startswith("notice: --track")]
     assert len(notices) == 1 and "no W&B credentials" in notices[0], result.stderr
