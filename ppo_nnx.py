@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import tyro
 from flax import nnx
 from gymnax.environments import spaces
@@ -55,18 +56,26 @@ class Args:
     hidden_size: int = 64  # width of the tanh hidden layers
     latent_size: int = 0  # size of the VariationalBottleneck in the actor (0 = no bottleneck)
     kl_coef: float = 1e-3  # weight of the bottleneck's KL to N(0, I) in the loss
+    norm_obs: Optional[bool] = None  # normalize observations (None: if actions are continuous)
+    norm_reward: Optional[bool] = None  # scale rewards by the return's std (None: as above)
+    save_model: bool = False  # whether to save each seed's model into `runs/{run_name}`
+    eval_episodes: int = 0  # episodes per seed to evaluate the trained policy on (0: none)
+    eval_deterministic: bool = False  # evaluate the mode (discrete) or mean (continuous) action
+    eval_checkpoint: Optional[str] = None  # evaluate this saved `runs/{run_name}`, no training
 
     batch_size = property(lambda self: self.num_envs * self.num_steps)
+    seeds = property(lambda self: range(self.seed, self.seed + self.num_seeds))
     num_iterations = property(lambda self: self.total_timesteps // self.batch_size)
 
 
-def check_args(args: Args) -> None:
-    """Reject, naming the flag, what would otherwise fail deep in JAX or train silently wrong."""
+def check_args(args: Args) -> Args:
+    """Reject, naming the flag, what would fail deep in JAX or train silently wrong; fill Nones."""
     for rule, ok, names in [
             ("> 0", lambda v: v > 0, "total_timesteps num_envs num_steps num_minibatches "
                                      "update_epochs num_seeds hidden_size"),
             (">= 0", lambda v: v >= 0,  # NaN fails too
-             "latent_size learning_rate clip_coef ent_coef vf_coef max_grad_norm kl_coef"),
+             "latent_size learning_rate clip_coef ent_coef vf_coef max_grad_norm kl_coef "
+             "eval_episodes"),
             ("in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda")]:
         for name in names.split():
             if not ok(getattr(args, name)):
@@ -79,6 +88,10 @@ def check_args(args: Args) -> None:
     if args.total_timesteps < args.batch_size:
         raise ValueError(f"--total-timesteps {args.total_timesteps} is below one batch "
                          f"(--num-envs * --num-steps = {args.batch_size})")
+    env, env_params = make_env(args)
+    on = not isinstance(env.action_space(env_params), spaces.Discrete)
+    return dataclasses.replace(args, **{k: on for k in ("norm_obs", "norm_reward")
+                                        if getattr(args, k) is None})
 
 
 # ========================================= Modules =========================================
@@ -174,8 +187,8 @@ class CategoricalSampler(KeyCarryModule):
         # a one-hot product, not an index: its gradient avoids a slow scatter on CPU
         log_prob = jnp.sum(jax.nn.one_hot(action, logits.shape[-1]) * log_probs, axis=-1)
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-        return Output(next_key, dict(action=action, log_prob=log_prob, entropy=entropy),
-                      jnp.zeros_like(log_prob), {}, action)
+        return Output(next_key, dict(action=action, log_prob=log_prob, entropy=entropy,
+                                     mode=logits.argmax(-1)), jnp.zeros_like(log_prob), {}, action)
 
 
 class GaussianSampler(KeyCarryModule):
@@ -197,9 +210,9 @@ class GaussianSampler(KeyCarryModule):
                            axis=-1)
         entropy = jnp.broadcast_to(jnp.sum(0.5 + 0.5 * math.log(2 * math.pi) + log_std),
                                    log_prob.shape)
-        action = jnp.clip(raw, jnp.asarray(self.low), jnp.asarray(self.high))
-        return Output(next_key, dict(action=action, log_prob=log_prob, entropy=entropy),
-                      jnp.zeros_like(log_prob), {}, raw)
+        clip = lambda a: jnp.clip(a, jnp.asarray(self.low), jnp.asarray(self.high))
+        return Output(next_key, dict(action=clip(raw), log_prob=log_prob, entropy=entropy,
+                                     mode=clip(mean)), jnp.zeros_like(log_prob), {}, raw)
 
 
 class ActorCritic(StatefulModule):
@@ -254,10 +267,40 @@ def make_env(args: Args):
         raise ValueError(f"--env-id {args.env_id}: gymnax could not build it ({error})") from None
 
 
-def observe(obs: jax.Array, args: Args) -> jax.Array:
-    """[B, ...] env observations as [B, features] float32 inputs, masked with --mask-velocity."""
+def observe(obs: jax.Array, args: Args, norm=None) -> jax.Array:
+    """[B, ...] env observations as [B, features] float32 inputs, masked with --mask-velocity and,
+    given the statistics `norm`, normalized with --norm-obs."""
     obs = obs.reshape(obs.shape[0], -1).astype(jnp.float32)
-    return obs[:, POSITIONS[args.env_id]] if args.mask_velocity else obs
+    obs = obs[:, POSITIONS[args.env_id]] if args.mask_velocity else obs
+    return (jnp.clip((obs - norm.obs.mean) / jnp.sqrt(norm.obs.var + 1e-8), -10, 10)
+            if norm is not None and args.norm_obs else obs)
+
+
+# Running statistics, as gym's NormalizeObservation and NormalizeReward in CleanRL's continuous PPO
+Moments = namedtuple("Moments", "mean var count")
+Norm = namedtuple("Norm", "obs ret discounted")  # of observations; of discounted returns; [B] these
+
+
+def update_moments(m: Moments, x: jax.Array) -> Moments:  # merge in a batch x, [B, ...]
+    delta, count = x.mean(0) - m.mean, m.count + x.shape[0]
+    return Moments(m.mean + delta * x.shape[0] / count, (m.var * m.count + x.var(0) * x.shape[0]
+                   + delta**2 * m.count * x.shape[0] / count) / count, count)
+
+
+def init_norm(obs: jax.Array, args: Args) -> Norm:  # having seen the reset observations, as gym
+    fresh = lambda x: Moments(jnp.zeros(x.shape[1:]), jnp.ones(x.shape[1:]), jnp.asarray(1e-4))
+    return Norm(update_moments(fresh(obs), obs) if args.norm_obs else fresh(obs), fresh(obs[:, 0]),
+                jnp.zeros(len(obs)))
+
+
+def update_norm(norm: Norm, obs, reward, done, args: Args):
+    """(statistics after a step, updated between network calls; with them, its rewards scaled)"""
+    discounted = norm.discounted * args.gamma + reward
+    norm = Norm(update_moments(norm.obs, obs) if args.norm_obs else norm.obs,
+                update_moments(norm.ret, discounted) if args.norm_reward else norm.ret,
+                jnp.where(done, 0.0, discounted) if args.norm_reward else norm.discounted)
+    return norm, (jnp.clip(reward / jnp.sqrt(norm.ret.var + 1e-8), -10, 10) if args.norm_reward
+                  else reward)
 
 
 def build_model(args: Args, env, env_params, rngs: nnx.Rngs) -> ActorCritic:
@@ -275,7 +318,7 @@ def build_model(args: Args, env, env_params, rngs: nnx.Rngs) -> ActorCritic:
 
 # ========================================= Rollout =========================================
 # What the rollout carries from one iteration to the next; the episode totals are [B] running sums
-Runner = namedtuple("Runner", "env_state obs carry episode_return episode_length key")
+Runner = namedtuple("Runner", "env_state obs carry episode_return episode_length key norm")
 
 
 class Transition(NamedTuple):  # one step of every env; the rollout stacks them into [T, B, ...]
@@ -306,14 +349,16 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, args: Args)
             env.step, in_axes=(0, 0, 0, None))(jax.random.split(step_key, len(runner.obs)),
                                                runner.env_state, out.output["action"], env_params)
         done = terminated | truncated
+        norm, scaled = update_norm(runner.norm, observe(obs, args), reward, done, args)
         episode_return, episode_length = runner.episode_return + reward, runner.episode_length + 1
-        transition = Transition(
-            runner.obs, runner.carry, out.rollout_extras, out.output, reward, terminated,
-            truncated, observe(info["final_observation"], args),
+        transition = Transition(  # the network's inputs (normalized); returns as scored (not)
+            runner.obs, runner.carry, out.rollout_extras, out.output, scaled, terminated,
+            truncated, observe(info["final_observation"], args, norm),
             jnp.where(done, episode_return, 0.0), jnp.where(done, episode_length, 0))
-        return Runner(env_state, observe(obs, args), carry_after_step(model, out.next_state, done),
+        return Runner(env_state, observe(obs, args, norm),
+                      carry_after_step(model, out.next_state, done),
                       jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
-                      key), transition
+                      key, norm), transition
 
     return jax.lax.scan(step, runner, length=args.num_steps)
 
@@ -431,7 +476,7 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
 def make_train(args: Args, report=None, report_every: int = 1):
     """`train(key, seed_index=0) -> ((params, opt_state, runner), metrics [num_iterations])`, pure.
     `report(seed_index, metrics)` runs on the host every `report_every` iterations and the last."""
-    check_args(args)
+    args = check_args(args)
     env, env_params = make_env(args)
     optimizer, learning_rate = make_optimizer(args)
 
@@ -444,8 +489,9 @@ def make_train(args: Args, report=None, report_every: int = 1):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: the nnx.Rngs
         obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
             jax.random.split(reset_key, args.num_envs), env_params)
-        runner = Runner(env_state, observe(obs, args), carry, jnp.zeros(args.num_envs),
-                        jnp.zeros(args.num_envs, jnp.int32), runner_key)
+        norm = init_norm(observe(obs, args), args)
+        runner = Runner(env_state, observe(obs, args, norm), carry, jnp.zeros(args.num_envs),
+                        jnp.zeros(args.num_envs, int), runner_key, norm)
 
         def iteration(state, xs):
             (params, opt_state, runner), (i, update_key) = state, xs
@@ -502,6 +548,59 @@ def run(args: Args, report=None, report_every: int = 1, repeats: int = 1):
     return state, metrics, compile_s, train_s
 
 
+# ================================ Evaluation and checkpoints ===============================
+def evaluate(args: Args, params, norm) -> np.ndarray:
+    """[seed, episode] returns of each seed's policy: an episode per env, the statistics frozen."""
+    (env, env_params), n = make_env(args), args.eval_episodes
+
+    def episodes(seed, params, norm):
+        model_key, reset_key, key = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1), 3)
+        model = build_model(args, env, env_params, nnx.Rngs(model_key))  # its Params replaced
+        carry, (graphdef, _, rest) = model.initialize_state(n), nnx.split(model, nnx.Param, ...)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(reset_key, n),
+                                                                env_params)
+
+        def step(state):
+            env_state, obs, carry, key, total, ended = state
+            out = merge(graphdef, params, rest)(carry, observe(obs, args, norm))
+            key, step_key = jax.random.split(key)
+            obs, env_state, reward, terminated, truncated, _ = jax.vmap(
+                env.step, in_axes=(0, 0, 0, None))(jax.random.split(step_key, n), env_state,
+                out.output["mode" if args.eval_deterministic else "action"], env_params)
+            return (env_state, obs, out.next_state, key, total + jnp.where(ended, 0.0, reward),
+                    ended | terminated | truncated)
+
+        state = (env_state, obs, carry, key, jnp.zeros(n), jnp.zeros(n, bool))
+        return jax.lax.while_loop(lambda state: ~state[-1].all(), step, state)[-2]
+
+    return np.asarray(jax.jit(jax.vmap(episodes))(jnp.array(args.seeds), params, norm))
+
+
+def load_run(cli: Args):
+    """(Args, params, norm) of the run saved at --eval-checkpoint, seeds stacked."""
+    check_args(cli)  # the flags given, before the saved ones
+    path, given = cli.eval_checkpoint, {k: v for k, v in vars(cli).items() if v != getattr(Args, k)}
+    for name in [name for name in given if not name.startswith(("eval_", "track", "wandb_"))]:
+        raise ValueError(f"--{name.replace('_', '-')} cannot change the run saved at {path}: "
+                         "only --eval-*, --track and --wandb-* flags apply to it")
+    read = lambda entry, **items: ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
+        os.path.abspath(os.path.join(path, entry)), args=ocp.args.Composite(**items))
+    try:  # each entry holds the Args; the params go into the shapes of nnx.eval_shape's model
+        saved = read(os.listdir(path)[0], args=ocp.args.JsonRestore())["args"]
+        if saved["script"] != os.path.basename(__file__):
+            raise ValueError(f"{saved['script']} saved it: evaluate it with that script")
+        args = check_args(Args(**{**saved["args"], "save_model": False, **given}))
+        model = nnx.eval_shape(lambda: build_model(args, *make_env(args), nnx.Rngs(0)))
+        runs = [read(f"seed_{seed}", params=ocp.args.StandardRestore(nnx.state(model, nnx.Param)),
+                     norm=ocp.args.StandardRestore()) for seed in args.seeds]  # norm: as dicts
+    except Exception as error:  # missing, corrupt, another script's
+        raise ValueError(f"--eval-checkpoint {path} is not a run saved by "
+                         f"{os.path.basename(__file__)} ({str(error).splitlines()[0]})") from None
+    norm = lambda n: Norm(Moments(**n["obs"]), Moments(**n["ret"]), n["discounted"])
+    return (dataclasses.replace(args, eval_episodes=args.eval_episodes or 10), *jax.tree.map(
+        lambda *x: jnp.stack(x), *[(run["params"], norm(run["norm"])) for run in runs]))
+
+
 # ========================================== Main ===========================================
 def final_return(metrics: dict) -> np.ndarray:
     """Mean episodic return over the last 5% of iterations, per seed (NaN if none ended)."""
@@ -528,7 +627,7 @@ def first_nonfinite(args: Args, params, metrics: dict) -> Optional[str]:
             f"(global_step {(i + 1) * args.batch_size}); the run diverged")
 
 
-def init_wandb(args: Args) -> list:
+def init_wandb(args: Args, stamp: int) -> list:
     """A W&B run per seed, named the CleanRL way; offline without credentials or a server."""
     import wandb
 
@@ -537,11 +636,11 @@ def init_wandb(args: Args) -> list:
               file=sys.stderr)
         return "offline"
 
-    mode, stamp, runs = None, int(time.time()), []  # None: W&B's choice (WANDB_MODE, else online)
+    mode, runs = None, []  # None: W&B's choice (WANDB_MODE, else online)
     if (os.environ.get("WANDB_MODE") not in ("offline", "disabled")
             and not wandb.login(prompt=False, verify=False)):
         mode = offline("found no W&B credentials (`wandb login` or WANDB_API_KEY)")
-    for seed in range(args.seed, args.seed + args.num_seeds):
+    for seed in args.seeds:
         settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, save_code=True,
                         name=f"{args.env_id}__{args.exp_name}__{seed}__{stamp}",
                         group=f"{args.env_id}__{args.exp_name}__{stamp}", reinit="create_new",
@@ -557,13 +656,16 @@ def init_wandb(args: Args) -> list:
 
 
 def main(args: Args) -> None:
+    stamp = int(time.time())
     try:
-        check_args(args)
-        make_env(args)
+        args, *saved = load_run(args) if args.eval_checkpoint else (check_args(args),)
+        run_dir = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}"
+        if args.save_model and os.path.exists(run_dir):
+            raise ValueError(f"--save-model: {run_dir} exists, and is never overwritten")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    wandb_runs = init_wandb(args) if args.track else []
+    wandb_runs = init_wandb(args, stamp) if args.track else []
     total = args.num_iterations * args.batch_size
     latest, reached, printed = np.full(args.num_seeds, np.nan), np.zeros(args.num_seeds, int), [0]
 
@@ -581,19 +683,37 @@ def main(args: Args) -> None:
                   + " ".join(f"{r:.1f}" for r in latest)
                   + f"  SPS={step * args.num_seeds / max(elapsed, 1e-9):,.0f}", flush=True)
 
-    state, metrics, compile_s, (train_s,) = run(  # W&B: every iteration; the console: ~100
-        args, report, 1 if args.track else max(1, args.num_iterations // 100))
-    finals, failure = final_return(metrics), first_nonfinite(args, state[0], metrics)
-    for wandb_run, final in zip(wandb_runs, finals):
-        wandb_run.summary["final_episodic_return"] = float(final)
+    failure = None
+    if not saved:
+        state, metrics, compile_s, (train_s,) = run(  # W&B: every iteration; the console: ~100
+            args, report, 1 if args.track else max(1, args.num_iterations // 100))
+        finals, failure = final_return(metrics), first_nonfinite(args, state[0], metrics)
+        for wandb_run, final in zip(wandb_runs, finals):
+            wandb_run.summary["final_episodic_return"] = float(final)
+        print(f"summary: env={args.env_id} seeds={list(args.seeds)} "
+              f"final_episodic_return={[round(float(r), 2) for r in finals]} "
+              f"env_steps={total * args.num_seeds} compile_s={compile_s:.1f} "
+              f"train_s={train_s:.1f} SPS={total * args.num_seeds / train_s:,.0f}")
+        saved = state[0], state[2].norm
+    if args.save_model and not failure:  # an Orbax checkpoint per seed: params, statistics, Args
+        for i, seed in enumerate(args.seeds):
+            ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
+                os.path.abspath(f"{run_dir}/seed_{seed}"), args=ocp.args.Composite(
+                    params=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], saved[0])),
+                    norm=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], saved[1])),
+                    args=ocp.args.JsonSave(dict(script=os.path.basename(__file__),
+                                                args=dataclasses.asdict(args)))))
+        print(f"saved: {run_dir}")
+    if args.eval_episodes and not failure:
+        returns = evaluate(args, *saved)
+        for wandb_run, r in zip(wandb_runs, returns):
+            wandb_run.log({"eval/episodic_return": r.mean(), "eval/episodic_return_std": r.std()})
+        print(f"eval: {args.eval_episodes} episodes, deterministic={args.eval_deterministic}, "
+              "eval/episodic_return=" + " ".join(f"{r.mean():.2f}+-{r.std():.2f}" for r in returns))
+    for wandb_run in wandb_runs:
         wandb_run.finish(exit_code=1 if failure else 0)
-    print(f"summary: env={args.env_id} seeds={list(range(args.seed, args.seed + args.num_seeds))} "
-          f"final_episodic_return={[round(float(r), 2) for r in finals]} "
-          f"env_steps={total * args.num_seeds} compile_s={compile_s:.1f} "
-          f"train_s={train_s:.1f} SPS={total * args.num_seeds / train_s:,.0f}")
     if failure:
-        print(f"error: {failure}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(f"error: {failure}")  # to stderr, exit code 1
 
 
 if __name__ == "__main__":

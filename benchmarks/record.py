@@ -74,11 +74,9 @@ def parse_ours(name: str, flags: list):
         detail = [line for line in lines if line and set(line) != {"-"}][1:2] or ["bad flags"]
         fail(f"{name} {shlex.join(flags)}: {detail[0]}")
     try:
-        script.check_args(args)
-        script.make_env(args)
+        return script, script.check_args(args)  # with the defaults that depend on the env
     except ValueError as error:
         fail(str(error))
-    return script, args
 
 
 def parse_others(name: str, flags: list) -> dict:

@@ -13,7 +13,7 @@ from flax import nnx
 import ppo_nnx
 import ppo_nnx_vae_lstm
 
-TOL = 1e-6  # replay equality holds to float32 rounding, not bit for bit
+TOL = 1e-6  # replay equality holds to float32 rounding, not bit for bit: see `rounding`
 # A tiny run on the command line: one compile of a few seconds, 8 iterations.
 TINY_FLAGS = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "32",
               "--num-minibatches", "2", "--update-epochs", "1", "--hidden-size", "16"]
@@ -40,6 +40,12 @@ def train(script, args):
     return jax.tree.map(np.asarray, script.run(args)[1])
 
 
+def rounding(a, b):
+    """|a - b| relative to |a| above 1: float32 rounding grows with the value (normalized inputs
+    give latents of 5 and more, where 1e-6 is 2 ulps)."""
+    return jnp.abs(a - b) / jnp.maximum(1.0, jnp.abs(a))
+
+
 def replay_matched(metrics) -> bool:
     """With the parameters frozen, PPO's ratio must be 1 in every epoch, minibatch and iteration."""
     return bool(np.all(np.asarray(metrics["losses/approx_kl"]) <= TOL)
@@ -60,17 +66,24 @@ def module_rng_bottleneck(script):
     return ModuleRngBottleneck
 
 
-def second_rollout(script, args, env, env_params, key):
-    """Two rollouts with the script's own functions, so the second starts from a used carry:
-    (graphdef, params, rest, its [T, B] transitions)."""
+def start(script, args, env, env_params, key):
+    """What `train` builds before its first iteration: (graphdef, params, rest, runner)."""
     init_key, reset_key, runner_key = jax.random.split(key, 3)
     model = script.build_model(args, env, env_params, nnx.Rngs(init_key))
     carry = model.initialize_state(args.num_envs)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
         jax.random.split(reset_key, args.num_envs), env_params)
-    runner = script.Runner(env_state, script.observe(obs, args), carry, jnp.zeros(args.num_envs),
-                           jnp.zeros(args.num_envs, jnp.int32), runner_key)
+    norm = script.init_norm(script.observe(obs, args), args)
+    runner = script.Runner(env_state, script.observe(obs, args, norm), carry,
+                           jnp.zeros(args.num_envs), jnp.zeros(args.num_envs, int), runner_key, norm)
+    return graphdef, params, rest, runner
+
+
+def second_rollout(script, args, env, env_params, key):
+    """Two rollouts with the script's own functions, so the second starts from a used carry:
+    (graphdef, params, rest, its [T, B] transitions)."""
+    graphdef, params, rest, runner = start(script, args, env, env_params, key)
     runner, _ = script.rollout(graphdef, params, rest, env, env_params, runner, args)
     return (graphdef, params, rest,
             script.rollout(graphdef, params, rest, env, env_params, runner, args)[1])

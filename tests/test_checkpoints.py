@@ -1,0 +1,120 @@
+"""--save-model, --eval-episodes and --eval-checkpoint: a saved run evaluates exactly as the run in
+memory did, and a bad checkpoint or flag is refused in one line, with nothing written."""
+
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import ppo_nnx
+import ppo_nnx_vae_lstm
+from conftest import TINY_FLAGS, run_cli, tiny_args
+
+SCRIPTS = {"ppo_nnx": ppo_nnx, "ppo_nnx_vae_lstm": ppo_nnx_vae_lstm}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Per script: a 2-seed Pendulum run (normalized) trained, saved and evaluated by `main`, then
+    evaluated again from its checkpoint: (run directory, [in memory, from checkpoint] returns)."""
+    runs = {}
+    for name, script in SCRIPTS.items():
+        cwd, returns, evaluate = tmp_path_factory.mktemp(name), [], script.evaluate
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(cwd)
+            patch.setattr(script, "evaluate", lambda *a: returns.append(evaluate(*a)) or returns[-1])
+            script.main(tiny_args(script, env_id="Pendulum-v1", num_seeds=2, save_model=True,
+                                  eval_episodes=3))
+            (run_dir,) = (cwd / "runs").iterdir()
+            script.main(script.Args(eval_checkpoint=str(run_dir)))
+        runs[name] = run_dir, returns
+    return runs
+
+
+def snapshot(folder: Path) -> dict:
+    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture(params=list(SCRIPTS))
+def name(request):
+    return request.param
+
+
+def test_saved_run_evaluates_exactly_as_in_memory(saved, name):
+    run_dir, (in_memory, loaded) = saved[name]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["seed_1", "seed_2"]
+    assert in_memory.shape == (2, 3) and np.isfinite(in_memory).all()
+    np.testing.assert_array_equal(loaded, in_memory)
+    assert not np.array_equal(in_memory[0], in_memory[1])  # control: seeds differ
+
+
+def test_wrong_statistics_change_the_evaluation(saved, name):
+    """Control: the same weights with each seed given the other's statistics evaluate otherwise."""
+    script, (run_dir, (in_memory, _)) = SCRIPTS[name], saved[name]
+    args, params, norm = script.load_run(script.Args(eval_checkpoint=str(run_dir)))
+    assert (args.env_id, args.num_seeds, args.norm_obs, args.eval_episodes) == (
+        "Pendulum-v1", 2, True, 3)
+    np.testing.assert_array_equal(script.evaluate(args, params, norm), in_memory)
+    swapped = script.evaluate(args, params, jax.tree.map(lambda x: x[::-1], norm))
+    assert not np.allclose(swapped, in_memory)
+
+
+def refused(script, capsys, **flags) -> str:
+    """`main` with these flags must exit 2 with one line on stderr: that line."""
+    with pytest.raises(SystemExit) as exit_:
+        script.main(script.Args(**flags))
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_checkpoints_are_refused_in_one_line(saved, name, tmp_path, capsys):
+    script, other = SCRIPTS[name], [n for n in SCRIPTS if n != name][0]
+    run_dir = saved[name][0]
+    corrupt = shutil.copytree(run_dir, tmp_path / "corrupt")
+    for path in (corrupt / "seed_2" / "params").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"not a checkpoint")
+    before = {d: snapshot(d) for d in (run_dir, saved[other][0], corrupt)}
+    missing = refused(script, capsys, eval_checkpoint=str(tmp_path / "missing"))
+    assert missing.startswith(f"error: --eval-checkpoint {tmp_path / 'missing'}")
+    assert refused(script, capsys, eval_checkpoint=str(corrupt)).startswith(
+        f"error: --eval-checkpoint {corrupt}")
+    assert f"({other}.py saved it" in refused(script, capsys, eval_checkpoint=str(saved[other][0]))
+    assert "--hidden-size" in refused(script, capsys, eval_checkpoint=str(run_dir), hidden_size=8)
+    assert "--seed" in refused(script, capsys, eval_checkpoint=str(run_dir), seed=5)
+    assert {d: snapshot(d) for d in before} == before  # nothing written
+    # control: the unbroken run loads
+    assert script.load_run(script.Args(eval_checkpoint=str(run_dir)))[0].num_seeds == 2
+
+
+def test_save_model_never_overwrites(script, tmp_path, monkeypatch, capsys):
+    """The run directory is checked before training: a taken one stops the run at once."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(time=lambda: 1234.0))
+    args = tiny_args(script, save_model=True)
+    taken = tmp_path / "runs" / f"CartPole-v1__{args.exp_name}__1__1234"
+    taken.mkdir(parents=True)
+    (taken / "notes.txt").write_text("mine")
+    assert f"runs/{taken.name} exists" in refused(script, capsys, **vars(args))
+    assert snapshot(taken) == {taken / "notes.txt": b"mine"}
+    monkeypatch.setattr(script, "run", lambda *a, **k: sys.exit("training"))
+    monkeypatch.setattr(script, "time", types.SimpleNamespace(time=lambda: 1235.0))
+    with pytest.raises(SystemExit, match="training"):  # control: a free name goes on to train
+        script.main(args)
+
+
+def test_cli_saves_then_evaluates_the_same_return(tmp_path):
+    """The issue's own check, as a user types it (tiny and sampled): the same eval line twice."""
+    first = run_cli(ppo_nnx, *TINY_FLAGS, "--save-model", "--eval-episodes", "4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    again = run_cli(ppo_nnx, "--eval-checkpoint", str(run_dir), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    line = lambda out: [l for l in out.splitlines() if l.startswith("eval:")]
+    assert len(line(first.stdout)) == 1 and line(again.stdout) == line(first.stdout)
+    assert "4 episodes, deterministic=False" in line(first.stdout)[0]
