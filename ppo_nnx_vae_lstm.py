@@ -340,8 +340,7 @@ def observe(obs: jax.Array, args: Args, norm=None) -> jax.Array:
             if norm is not None and args.norm_obs else obs)
 
 
-# Running statistics, as gym's NormalizeObservation and NormalizeReward in CleanRL's continuous PPO
-Moments = namedtuple("Moments", "mean var count")
+Moments = namedtuple("Moments", "mean var count")  # running, as in gym's Normalize* wrappers
 Norm = namedtuple("Norm", "obs ret discounted")  # of observations; of discounted returns; [B] these
 
 
@@ -670,7 +669,7 @@ def load_run(cli: Args):
                      norm=ocp.args.StandardRestore()) for seed in args.seeds]  # norm: as dicts
     except Exception as error:  # missing, corrupt, another script's
         raise ValueError(f"--eval-checkpoint {path} is not a run saved by "
-                         f"{os.path.basename(__file__)} ({str(error).splitlines()[0]})") from None
+                         f"{os.path.basename(__file__)} ({error!r:.200})") from None
     norm = lambda n: Norm(Moments(**n["obs"]), Moments(**n["ret"]), n["discounted"])
     return (dataclasses.replace(args, eval_episodes=args.eval_episodes or 10), *jax.tree.map(
         lambda *x: jnp.stack(x), *[(run["params"], norm(run["norm"])) for run in runs]))
@@ -788,7 +787,8 @@ def main(args: Args) -> None:
     for wandb_run in wandb_runs:
         wandb_run.finish(exit_code=1 if failure else 0)
     if failure:
-        sys.exit(f"error: {failure}")  # to stderr, exit code 1
+        print(f"error: {failure}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

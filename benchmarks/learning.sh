@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Learning curves: each run trains 8 seeds in one program and writes its own result file;
-# report.py then makes the tables and plots from all of them. About 2 h on a 2-core CPU.
+# Learning curves: each run trains 8 seeds in one program, evaluates each trained policy on 100
+# episodes (deterministic) and writes its own result file; report.py then makes the tables and
+# plots from all of them. About 2 h on a 2-core CPU, 35 min without the two MinAtar runs.
 #   bash benchmarks/learning.sh                       # from the repository root
 #   PYTHON=.venv/bin/python bash benchmarks/learning.sh
 # A subset: paste the lines up to the first `record`, then the runs you want, then the report.
 set -euo pipefail
-record() { timeout 3h "${PYTHON:-python}" benchmarks/record.py "$@"; }  # a hung run stops here
+record() { timeout 3h "${PYTHON:-python}" benchmarks/record.py "$@" --eval-episodes 100 \
+    --eval-deterministic; }  # a hung run stops at the timeout
 OUT=benchmarks/results/learning
 # After RL Zoo's PPO settings for Pendulum (4 envs x 1024 steps, 10 epochs, gamma 0.9).
+# Continuous actions: observations and rewards normalized by default (--norm-obs, --norm-reward).
 PENDULUM=(--env-id Pendulum-v1 --total-timesteps 1000000 --num-envs 4 --num-steps 1024
           --update-epochs 10 --learning-rate 1e-3 --gamma 0.9 --ent-coef 0)
 # PureJaxRL's MinAtar settings (64 envs x 128 steps, 8 minibatches, lr 5e-4), 10M steps.
@@ -23,6 +26,13 @@ record --name "ppo_nnx Pendulum-v1" $OUT/ppo_nnx-Pendulum-v1.json \
     ppo_nnx "${PENDULUM[@]}" --num-seeds 8
 record --name "ppo_nnx MountainCarContinuous-v0" $OUT/ppo_nnx-MountainCarContinuous-v0.json \
     ppo_nnx --env-id MountainCarContinuous-v0 --total-timesteps 1000000 --num-seeds 8
+# The same two without normalization: the measurement behind the continuous default.
+record --name "ppo_nnx Pendulum-v1 unnormalized" $OUT/ppo_nnx-Pendulum-v1-unnormalized.json \
+    ppo_nnx "${PENDULUM[@]}" --num-seeds 8 --norm-obs False --norm-reward False
+record --name "ppo_nnx MountainCarContinuous-v0 unnormalized" \
+    $OUT/ppo_nnx-MountainCarContinuous-v0-unnormalized.json ppo_nnx \
+    --env-id MountainCarContinuous-v0 --total-timesteps 1000000 --num-seeds 8 \
+    --norm-obs False --norm-reward False
 record --name "ppo_nnx Breakout-MinAtar" $OUT/ppo_nnx-Breakout-MinAtar.json \
     ppo_nnx --env-id Breakout-MinAtar "${MINATAR[@]}" --num-seeds 8
 record --name "ppo_nnx SpaceInvaders-MinAtar" $OUT/ppo_nnx-SpaceInvaders-MinAtar.json \

@@ -97,7 +97,7 @@ def parse_others(name: str, flags: list) -> dict:
 # Runs: ours through the script's run(); rejax and the floor compiled and timed here
 # ----------------------------------------------------------------------------------------------
 def record_ours(script, args, repeats: int) -> dict:
-    _, metrics, compile_s, train_s = script.run(args, repeats=repeats)
+    state, metrics, compile_s, train_s = script.run(args, repeats=repeats)
     final = np.asarray(script.final_return(metrics), dtype=float)
     returns = np.asarray(metrics["charts/episodic_return"])
     steps = args.num_iterations * args.batch_size * args.num_seeds
@@ -107,7 +107,18 @@ def record_ours(script, args, repeats: int) -> dict:
         global_step=np.asarray(metrics["global_step"][0]).tolist(),
         final=final.tolist(), mean=float(final.mean()), std=float(final.std()),
         # the shortest decimals that give back each float32: exact, and half the size
-        episodic_return=[[float(str(v)) for v in seed] for seed in returns.astype(np.float32)])
+        episodic_return=[[float(str(v)) for v in seed] for seed in returns.astype(np.float32)],
+        **(evaluation(script, args, state) if args.eval_episodes else {}))
+
+
+def evaluation(script, args, state) -> dict:
+    """The trained policies evaluated as --eval-episodes does: per seed, the mean and std over its
+    episodes; and the mean and std over seeds of those means."""
+    returns = script.evaluate(args, state[0], state[2].norm)  # [seed, episode]
+    means = returns.mean(1)
+    return dict(eval_episodes=args.eval_episodes, eval_deterministic=args.eval_deterministic,
+                eval_return=means.tolist(), eval_return_std=returns.std(1).tolist(),
+                eval_mean=float(means.mean()), eval_std=float(means.std()))
 
 
 class Gymnax1To5Tuple:
@@ -242,7 +253,9 @@ def main():
     print(f"{name}: compile {record['compile_s']:.1f} s, train {train_s:.2f} s, "
           f"{record['env_steps'] / train_s:,.0f} env steps/s"
           + (f", final return {record['mean']:.1f} ± {record['std']:.1f}"
-             if "mean" in record else "") + f" -> {options.out}")
+             if "mean" in record else "")
+          + (f", eval return {record['eval_mean']:.1f} ± {record['eval_std']:.1f}"
+             if "eval_mean" in record else "") + f" -> {options.out}")
 
 
 if __name__ == "__main__":

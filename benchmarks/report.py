@@ -24,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 # The learning runs (learning.sh) in table order; "<script> <env id>[ masked]". Others go last.
 RUNS = [
     "ppo_nnx CartPole-v1", "ppo_nnx Acrobot-v1", "ppo_nnx Pendulum-v1",
-    "ppo_nnx MountainCarContinuous-v0", "ppo_nnx Breakout-MinAtar",
+    "ppo_nnx MountainCarContinuous-v0", "ppo_nnx Pendulum-v1 unnormalized",
+    "ppo_nnx MountainCarContinuous-v0 unnormalized", "ppo_nnx Breakout-MinAtar",
     "ppo_nnx SpaceInvaders-MinAtar", "ppo_nnx CartPole-v1 masked", "ppo_nnx Pendulum-v1 masked",
     "ppo_nnx_vae_lstm CartPole-v1", "ppo_nnx_vae_lstm CartPole-v1 masked",
     "ppo_nnx_vae_lstm Pendulum-v1 masked",
@@ -44,14 +45,18 @@ REFERENCES = {
     "CartPole-v1": ["CleanRL 490.04 ± 6.12", "gymnax 500", "PureJaxRL about 500"],
     "Acrobot-v1": ["CleanRL -86.36 ± 1.32", "gymnax -80"],
     "Pendulum-v1": ["gymnax -130"],
-    "MountainCarContinuous-v0": ["gymnax 92"],
+    "MountainCarContinuous-v0": ["gymnax 92, an evolution-strategies agent, not PPO",
+                                 "gymnax-blines PPO near 0"],
     "Breakout-MinAtar": ["gymnax 28"],
     "SpaceInvaders-MinAtar": ["gymnax 131"],
     "CartPole-v1 masked": ["SB3 RL Zoo 500 ± 0"],
 }
 SOURCES = {
     "CleanRL": "CleanRL's docs for ppo.py (500k steps; Acrobot likewise)",
-    "gymnax": "the gymnax README's table of its PPO checkpoints (budgets not stated)",
+    "gymnax": "the gymnax README's table of its checkpoints, PPO but for MountainCarContinuous "
+              "(evaluation returns; budgets not stated)",
+    "gymnax-blines": "the PPO logs of gymnax-blines (agents/MountainCarContinuous-v0), which end "
+                     "near 0, as read for issue 11",
     "PureJaxRL": "the PureJaxRL README's CartPole plot (500k steps)",
     "SB3 RL Zoo": "SB3 RecurrentPPO on CartPoleNoVel-v1 (velocities removed), model card "
                   "huggingface.co/sb3/ppo_lstm-CartPoleNoVel-v1",
@@ -188,12 +193,14 @@ def learning_markdown(runs: dict) -> str:
         f"{spread(seeds)} seeds per run, trained at once in one program (`--num-seeds "
         f"{spread(seeds)}`), on "
         f"{stacks({n: [r] for n, r in runs.items()})}.",
-        "Final return: the mean episodic return over the last 5% of iterations, per seed; the "
-        "table gives its mean ± std over seeds. Wall time: compile + train of the whole program.",
+        "Final return: the stochastic policy's mean episodic return during training, over the "
+        "last 5% of iterations. Eval return: the trained policy's, deterministic (`--eval-episodes "
+        "100 --eval-deterministic`), the mean of its 100 episodes. Both per seed; the table gives "
+        "their mean ± std over seeds. Wall time: compile + train of the whole program.",
         "",
-        "| run | env steps per seed | final return | target | met | published figures "
-        "| wall time (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| run | env steps per seed | final return | eval return | target | met "
+        "| published figures | wall time (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, run in runs.items():
         masked = " masked" if run["args"].get("mask_velocity") else ""
@@ -202,14 +209,17 @@ def learning_markdown(runs: dict) -> str:
         met = "" if target is None else ("yes" if mean is not None and mean >= target
                                          else "**no**")
         final = "no episode ended" if mean is None else f"{mean:.1f} ± {run['std']:.1f}"
+        evaluated = (f"{run['eval_mean']:.1f} ± {run['eval_std']:.1f}" if "eval_mean" in run
+                     else "not run")
         label = name if min(seeds) == max(seeds) else f"{name} ({len(run['seeds'])} seeds)"
         lines.append(
-            f"| {label} | {run['global_step'][-1]:,} | {final} "
+            f"| {label} | {run['global_step'][-1]:,} | {final} | {evaluated} "
             f"| {'' if target is None else f'≥ {target}'} | {met} | {references} "
             f"| {run['compile_s']:.0f} + {statistics.median(run['train_s']):.0f} |")
     lines += ["", "Sources: " + "; ".join(f"{k}: {v}" for k, v in SOURCES.items()) + ". "
-              "Ours and CleanRL's are returns of the stochastic policy during training; gymnax's "
-              "and SB3's evaluate a trained model."]
+              "CleanRL's and PureJaxRL's figures are training returns of the stochastic policy, "
+              "to compare with our final return; gymnax's and SB3's evaluate a trained model, to "
+              "compare with our eval return."]
     lines += ["", "Each row, reproduced:", "", "```"] + [r["command"] for r in runs.values()]
     return "\n".join(lines + ["```", ""])
 

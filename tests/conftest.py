@@ -76,7 +76,8 @@ def start(script, args, env, env_params, key):
         jax.random.split(reset_key, args.num_envs), env_params)
     norm = script.init_norm(script.observe(obs, args), args)
     runner = script.Runner(env_state, script.observe(obs, args, norm), carry,
-                           jnp.zeros(args.num_envs), jnp.zeros(args.num_envs, int), runner_key, norm)
+                           jnp.zeros(args.num_envs), jnp.zeros(args.num_envs, int), runner_key,
+                           norm)
     return graphdef, params, rest, runner
 
 

@@ -24,9 +24,14 @@ def saved(tmp_path_factory):
     runs = {}
     for name, script in SCRIPTS.items():
         cwd, returns, evaluate = tmp_path_factory.mktemp(name), [], script.evaluate
+
+        def recorded(*args):  # the script's evaluate, its results kept
+            returns.append(evaluate(*args))
+            return returns[-1]
+
         with pytest.MonkeyPatch.context() as patch:
             patch.chdir(cwd)
-            patch.setattr(script, "evaluate", lambda *a: returns.append(evaluate(*a)) or returns[-1])
+            patch.setattr(script, "evaluate", recorded)
             script.main(tiny_args(script, env_id="Pendulum-v1", num_seeds=2, save_model=True,
                                   eval_episodes=3))
             (run_dir,) = (cwd / "runs").iterdir()
@@ -84,7 +89,7 @@ def test_bad_checkpoints_are_refused_in_one_line(saved, name, tmp_path, capsys):
     assert missing.startswith(f"error: --eval-checkpoint {tmp_path / 'missing'}")
     assert refused(script, capsys, eval_checkpoint=str(corrupt)).startswith(
         f"error: --eval-checkpoint {corrupt}")
-    assert f"({other}.py saved it" in refused(script, capsys, eval_checkpoint=str(saved[other][0]))
+    assert f"{other}.py saved it" in refused(script, capsys, eval_checkpoint=str(saved[other][0]))
     assert "--hidden-size" in refused(script, capsys, eval_checkpoint=str(run_dir), hidden_size=8)
     assert "--seed" in refused(script, capsys, eval_checkpoint=str(run_dir), seed=5)
     assert {d: snapshot(d) for d in before} == before  # nothing written

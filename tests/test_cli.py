@@ -8,7 +8,8 @@ from conftest import TINY_FLAGS, run_cli
 def test_help(script):
     result = run_cli(script, "--help")
     assert result.returncode == 0
-    for flag in ("--num-minibatches", "--latent-size", "--mask-velocity", "--num-seeds"):
+    for flag in ("--num-minibatches", "--latent-size", "--mask-velocity", "--num-seeds",
+                 "--norm-obs", "--save-model", "--eval-episodes", "--eval-checkpoint"):
         assert flag in result.stdout
     assert "the number of parallel game environments" in result.stdout  # help from the comments
 
@@ -28,8 +29,8 @@ def test_tiny_run_prints_progress_and_summary(script, num_seeds, seeds):
 
 
 def test_track_writes_offline_wandb_runs(script, tmp_path):
-    result = run_cli(script, *TINY_FLAGS, "--num-seeds", "2", "--track", cwd=tmp_path,
-                     env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
+    result = run_cli(script, *TINY_FLAGS, "--num-seeds", "2", "--track", "--eval-episodes", "2",
+                     cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     run_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 2  # one run per seed
@@ -38,6 +39,7 @@ def test_track_writes_offline_wandb_runs(script, tmp_path):
         data = run_file.read_bytes()
         assert data.count(b"charts/episodic_return") >= iterations  # logged every iteration
         assert data.count(b"losses/approx_kl") >= iterations
+        assert b"eval/episodic_return_std" in data  # the evaluation after training
     names = b"".join(f.read_bytes() for f in run_files)
     for seed in (1, 2):
         assert f"CartPole-v1__{script.__name__}__{seed}__".encode() in names
