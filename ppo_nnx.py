@@ -60,7 +60,7 @@ class Args:
     norm_reward: Optional[bool] = None  # scale rewards by the return's std (None: as above)
     save_model: bool = False  # whether to save each seed's model into `runs/{run_name}`
     eval_episodes: int = 0  # episodes per seed to evaluate the trained policy on (0: none)
-    eval_deterministic: bool = False  # evaluate the mode (discrete) or mean (continuous) action
+    eval_deterministic: bool = False  # evaluate the most likely action (a bottleneck still samples)
     eval_checkpoint: Optional[str] = None  # evaluate this saved `runs/{run_name}`, no training
 
     batch_size = property(lambda self: self.num_envs * self.num_steps)
@@ -272,23 +272,23 @@ def observe(obs: jax.Array, args: Args, norm=None) -> jax.Array:
     given the statistics `norm`, normalized with --norm-obs."""
     obs = obs.reshape(obs.shape[0], -1).astype(jnp.float32)
     obs = obs[:, POSITIONS[args.env_id]] if args.mask_velocity else obs
-    return (jnp.clip((obs - norm.obs.mean) / jnp.sqrt(norm.obs.var + 1e-8), -10, 10)
+    return (jnp.clip((obs - norm.obs["mean"]) / jnp.sqrt(norm.obs["var"] + 1e-8), -10, 10)
             if norm is not None and args.norm_obs else obs)
 
 
-Moments = namedtuple("Moments", "mean var count")  # running, as in gym's Normalize* wrappers
-Norm = namedtuple("Norm", "obs ret discounted")  # of observations; of discounted returns; [B] these
+# Running moments (mean, var, count) of observations and of discounted returns, as gym's wrappers
+Norm = namedtuple("Norm", "obs ret discounted")  # and the discounted returns themselves, [B]
 
 
-def update_moments(m: Moments, x: jax.Array) -> Moments:  # merge in a batch x, [B, ...]
-    delta, count = x.mean(0) - m.mean, m.count + x.shape[0]
-    return Moments(m.mean + delta * x.shape[0] / count, (m.var * m.count + x.var(0) * x.shape[0]
-                   + delta**2 * m.count * x.shape[0] / count) / count, count)
+def update_moments(m: dict, x: jax.Array) -> dict:  # merge in a batch x, [B, ...]
+    delta, count = x.mean(0) - m["mean"], m["count"] + x.shape[0]
+    return dict(mean=m["mean"] + delta * x.shape[0] / count, count=count, var=(m["var"] * m["count"]
+                + x.var(0) * x.shape[0] + delta**2 * m["count"] * x.shape[0] / count) / count)
 
 
 def init_norm(obs: jax.Array, args: Args) -> Norm:  # having seen the reset observations, as gym
-    fresh = lambda x: Moments(jnp.zeros(x.shape[1:]), jnp.ones(x.shape[1:]), jnp.asarray(1e-4))
-    return Norm(update_moments(fresh(obs), obs) if args.norm_obs else fresh(obs), fresh(obs[:, 0]),
+    new = lambda x: dict(mean=jnp.zeros_like(x[0]), var=jnp.ones_like(x[0]), count=jnp.array(1e-4))
+    return Norm(update_moments(new(obs), obs) if args.norm_obs else new(obs), new(obs[:, 0]),
                 jnp.zeros(len(obs)))
 
 
@@ -298,7 +298,7 @@ def update_norm(norm: Norm, obs, reward, done, args: Args):
     norm = Norm(update_moments(norm.obs, obs) if args.norm_obs else norm.obs,
                 update_moments(norm.ret, discounted) if args.norm_reward else norm.ret,
                 jnp.where(done, 0.0, discounted) if args.norm_reward else norm.discounted)
-    return norm, (jnp.clip(reward / jnp.sqrt(norm.ret.var + 1e-8), -10, 10) if args.norm_reward
+    return norm, (jnp.clip(reward / jnp.sqrt(norm.ret["var"] + 1e-8), -10, 10) if args.norm_reward
                   else reward)
 
 
@@ -550,14 +550,13 @@ def run(args: Args, report=None, report_every: int = 1, repeats: int = 1):
 # ================================ Evaluation and checkpoints ===============================
 def evaluate(args: Args, params, norm) -> np.ndarray:
     """[seed, episode] returns of each seed's policy: an episode per env, the statistics frozen."""
-    (env, env_params), n = make_env(args), args.eval_episodes
+    (env, env_params), n = make_env(args), args.eval_episodes or 10  # 10: for --eval-checkpoint
 
     def episodes(seed, params, norm):
-        model_key, reset_key, key = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1), 3)
+        model_key, env_key, key = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1), 3)
         model = build_model(args, env, env_params, nnx.Rngs(model_key))  # its Params replaced
         carry, (graphdef, _, rest) = model.initialize_state(n), nnx.split(model, nnx.Param, ...)
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(reset_key, n),
-                                                                env_params)
+        obs, env_state = jax.vmap(lambda k: env.reset(k, env_params))(jax.random.split(env_key, n))
 
         def step(state):
             env_state, obs, carry, key, total, ended = state
@@ -578,26 +577,27 @@ def evaluate(args: Args, params, norm) -> np.ndarray:
 def load_run(cli: Args):
     """(Args, params, norm) of the run saved at --eval-checkpoint, seeds stacked."""
     check_args(cli)  # the flags given, before the saved ones
-    path, given = cli.eval_checkpoint, {k: v for k, v in vars(cli).items() if v != getattr(Args, k)}
-    for name in [name for name in given if not name.startswith(("eval_", "track", "wandb_"))]:
+    path, ok = cli.eval_checkpoint, ("eval_", "track", "wandb_")  # this evaluation's own flags
+    for name in [k for k, v in vars(cli).items() if v != getattr(Args, k) and not k.startswith(ok)]:
         raise ValueError(f"--{name.replace('_', '-')} cannot change the run saved at {path}: "
                          "only --eval-*, --track and --wandb-* flags apply to it")
     read = lambda entry, **items: ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
         os.path.abspath(os.path.join(path, entry)), args=ocp.args.Composite(**items))
-    try:  # each entry holds the Args; the params go into the shapes of nnx.eval_shape's model
-        saved = read(os.listdir(path)[0], args=ocp.args.JsonRestore())["args"]
+    try:  # each seed's entry holds the Args; params go into the shapes of nnx.eval_shape's model
+        saved = read(next(e for e in sorted(os.listdir(path)) if e.startswith("seed_")),
+                     args=ocp.args.JsonRestore())["args"]
         if saved["script"] != os.path.basename(__file__):
             raise ValueError(f"{saved['script']} saved it: evaluate it with that script")
-        args = check_args(Args(**{**saved["args"], "save_model": False, **given}))
+        args = check_args(Args(**{**saved["args"], "save_model": False, **{
+            k: v for k, v in vars(cli).items() if k.startswith(ok)}}))
         model = nnx.eval_shape(lambda: build_model(args, *make_env(args), nnx.Rngs(0)))
         runs = [read(f"seed_{seed}", params=ocp.args.StandardRestore(nnx.state(model, nnx.Param)),
                      norm=ocp.args.StandardRestore()) for seed in args.seeds]  # norm: as dicts
+        return (args, *jax.tree.map(lambda *x: jnp.stack(x),
+                                    *[(run["params"], Norm(**run["norm"])) for run in runs]))
     except Exception as error:  # missing, corrupt, another script's
         raise ValueError(f"--eval-checkpoint {path} is not a run saved by "
                          f"{os.path.basename(__file__)} ({error!r:.200})") from None
-    norm = lambda n: Norm(Moments(**n["obs"]), Moments(**n["ret"]), n["discounted"])
-    return (dataclasses.replace(args, eval_episodes=args.eval_episodes or 10), *jax.tree.map(
-        lambda *x: jnp.stack(x), *[(run["params"], norm(run["norm"])) for run in runs]))
 
 
 # ========================================== Main ===========================================
@@ -703,11 +703,11 @@ def main(args: Args) -> None:
                     args=ocp.args.JsonSave(dict(script=os.path.basename(__file__),
                                                 args=dataclasses.asdict(args)))))
         print(f"saved: {run_dir}")
-    if args.eval_episodes and not failure:
+    if (args.eval_episodes or args.eval_checkpoint) and not failure:
         returns = evaluate(args, *saved)
         for wandb_run, r in zip(wandb_runs, returns):
             wandb_run.log({"eval/episodic_return": r.mean(), "eval/episodic_return_std": r.std()})
-        print(f"eval: {args.eval_episodes} episodes, deterministic={args.eval_deterministic}, "
+        print(f"eval: {returns.shape[1]} episodes, deterministic={args.eval_deterministic}, "
               "eval/episodic_return=" + " ".join(f"{r.mean():.2f}+-{r.std():.2f}" for r in returns))
     for wandb_run in wandb_runs:
         wandb_run.finish(exit_code=1 if failure else 0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Learning curves: each run trains 8 seeds in one program, evaluates each trained policy on 100
 # episodes (deterministic) and writes its own result file; report.py then makes the tables and
-# plots from all of them. About 2 h on a 2-core CPU, 35 min without the two MinAtar runs.
+# plots from all of them. About 2 h on a 2-core CPU, 40 min without the two MinAtar runs.
 #   bash benchmarks/learning.sh                       # from the repository root
 #   PYTHON=.venv/bin/python bash benchmarks/learning.sh
 # A subset: paste the lines up to the first `record`, then the runs you want, then the report.
@@ -22,6 +22,12 @@ record --name "ppo_nnx CartPole-v1" $OUT/ppo_nnx-CartPole-v1.json \
     ppo_nnx --env-id CartPole-v1 --num-seeds 8  # CleanRL's ppo.py defaults, 500k steps
 record --name "ppo_nnx Acrobot-v1" $OUT/ppo_nnx-Acrobot-v1.json \
     ppo_nnx --env-id Acrobot-v1 --total-timesteps 1000000 --num-seeds 8
+# The same two normalized: the measurement behind the discrete default (off).
+record --name "ppo_nnx CartPole-v1 normalized" $OUT/ppo_nnx-CartPole-v1-normalized.json \
+    ppo_nnx --env-id CartPole-v1 --num-seeds 8 --norm-obs True --norm-reward True
+record --name "ppo_nnx Acrobot-v1 normalized" $OUT/ppo_nnx-Acrobot-v1-normalized.json \
+    ppo_nnx --env-id Acrobot-v1 --total-timesteps 1000000 --num-seeds 8 \
+    --norm-obs True --norm-reward True
 record --name "ppo_nnx Pendulum-v1" $OUT/ppo_nnx-Pendulum-v1.json \
     ppo_nnx "${PENDULUM[@]}" --num-seeds 8
 record --name "ppo_nnx MountainCarContinuous-v0" $OUT/ppo_nnx-MountainCarContinuous-v0.json \

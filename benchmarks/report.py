@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 
 # The learning runs (learning.sh) in table order; "<script> <env id>[ masked]". Others go last.
 RUNS = [
-    "ppo_nnx CartPole-v1", "ppo_nnx Acrobot-v1", "ppo_nnx Pendulum-v1",
+    "ppo_nnx CartPole-v1", "ppo_nnx Acrobot-v1", "ppo_nnx CartPole-v1 normalized",
+    "ppo_nnx Acrobot-v1 normalized", "ppo_nnx Pendulum-v1",
     "ppo_nnx MountainCarContinuous-v0", "ppo_nnx Pendulum-v1 unnormalized",
     "ppo_nnx MountainCarContinuous-v0 unnormalized", "ppo_nnx Breakout-MinAtar",
     "ppo_nnx SpaceInvaders-MinAtar", "ppo_nnx CartPole-v1 masked", "ppo_nnx Pendulum-v1 masked",

@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -35,7 +36,7 @@ def saved(tmp_path_factory):
             script.main(tiny_args(script, env_id="Pendulum-v1", num_seeds=2, save_model=True,
                                   eval_episodes=3))
             (run_dir,) = (cwd / "runs").iterdir()
-            script.main(script.Args(eval_checkpoint=str(run_dir)))
+            script.main(script.Args(eval_checkpoint=str(run_dir), eval_episodes=3))
         runs[name] = run_dir, returns
     return runs
 
@@ -58,14 +59,30 @@ def test_saved_run_evaluates_exactly_as_in_memory(saved, name):
 
 
 def test_wrong_statistics_change_the_evaluation(saved, name):
-    """Control: the same weights with each seed given the other's statistics evaluate otherwise."""
+    """Controls: the same weights evaluate otherwise with each seed given the other's statistics,
+    or with statistics that never saw an observation (weights saved without their statistics)."""
     script, (run_dir, (in_memory, _)) = SCRIPTS[name], saved[name]
-    args, params, norm = script.load_run(script.Args(eval_checkpoint=str(run_dir)))
-    assert (args.env_id, args.num_seeds, args.norm_obs, args.eval_episodes) == (
-        "Pendulum-v1", 2, True, 3)
+    args, params, norm = script.load_run(script.Args(eval_checkpoint=str(run_dir),
+                                                     eval_episodes=3))
+    assert (args.env_id, args.num_seeds, args.norm_obs, args.save_model) == (
+        "Pendulum-v1", 2, True, False)
     np.testing.assert_array_equal(script.evaluate(args, params, norm), in_memory)
     swapped = script.evaluate(args, params, jax.tree.map(lambda x: x[::-1], norm))
     assert not np.allclose(swapped, in_memory)
+    fresh = norm._replace(obs=dict(norm.obs, mean=jnp.zeros_like(norm.obs["mean"]),
+                                   var=jnp.ones_like(norm.obs["var"])))
+    assert not np.allclose(script.evaluate(args, params, fresh), in_memory)
+
+
+def test_evaluation_flags_are_this_commands(saved, name, tmp_path):
+    """With --eval-checkpoint the evaluation flags are the command's, not the saved run's (10
+    episodes unless given), and stray files beside the seeds' entries do not matter."""
+    script, run_dir = SCRIPTS[name], saved[name][0]
+    copy = shutil.copytree(run_dir, tmp_path / "run")
+    (copy / ".DS_Store").write_bytes(b"")
+    args = script.load_run(script.Args(eval_checkpoint=str(copy), eval_deterministic=True))[0]
+    assert (args.eval_episodes, args.eval_deterministic, args.track) == (0, True, False)
+    assert script.load_run(script.Args(eval_checkpoint=str(copy)))[0].eval_deterministic is False
 
 
 def refused(script, capsys, **flags) -> str:
@@ -80,15 +97,18 @@ def refused(script, capsys, **flags) -> str:
 def test_bad_checkpoints_are_refused_in_one_line(saved, name, tmp_path, capsys):
     script, other = SCRIPTS[name], [n for n in SCRIPTS if n != name][0]
     run_dir = saved[name][0]
-    corrupt = shutil.copytree(run_dir, tmp_path / "corrupt")
-    for path in (corrupt / "seed_2" / "params").rglob("*"):
-        if path.is_file():
-            path.write_bytes(b"not a checkpoint")
-    before = {d: snapshot(d) for d in (run_dir, saved[other][0], corrupt)}
+    corrupt = {}  # a copy with one item of one seed made garbage, for each item
+    for seed, item in [(2, "params"), (1, "norm"), (1, "args")]:
+        corrupt[item] = shutil.copytree(run_dir, tmp_path / f"corrupt {item}")
+        for path in (corrupt[item] / f"seed_{seed}" / item).rglob("*"):
+            if path.is_file():
+                path.write_bytes(b"not a checkpoint")
+    before = {d: snapshot(d) for d in (run_dir, saved[other][0], *corrupt.values())}
     missing = refused(script, capsys, eval_checkpoint=str(tmp_path / "missing"))
     assert missing.startswith(f"error: --eval-checkpoint {tmp_path / 'missing'}")
-    assert refused(script, capsys, eval_checkpoint=str(corrupt)).startswith(
-        f"error: --eval-checkpoint {corrupt}")
+    for path in corrupt.values():
+        assert refused(script, capsys, eval_checkpoint=str(path)).startswith(
+            f"error: --eval-checkpoint {path} is not a run saved by {name}.py")
     assert f"{other}.py saved it" in refused(script, capsys, eval_checkpoint=str(saved[other][0]))
     assert "--hidden-size" in refused(script, capsys, eval_checkpoint=str(run_dir), hidden_size=8)
     assert "--seed" in refused(script, capsys, eval_checkpoint=str(run_dir), seed=5)
@@ -115,11 +135,11 @@ def test_save_model_never_overwrites(script, tmp_path, monkeypatch, capsys):
 
 def test_cli_saves_then_evaluates_the_same_return(tmp_path):
     """The issue's own check, as a user types it (tiny and sampled): the same eval line twice."""
-    first = run_cli(ppo_nnx, *TINY_FLAGS, "--save-model", "--eval-episodes", "4", cwd=tmp_path)
+    first = run_cli(ppo_nnx, *TINY_FLAGS, "--save-model", "--eval-episodes", "10", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     again = run_cli(ppo_nnx, "--eval-checkpoint", str(run_dir), cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     line = lambda out: [l for l in out.splitlines() if l.startswith("eval:")]
     assert len(line(first.stdout)) == 1 and line(again.stdout) == line(first.stdout)
-    assert "4 episodes, deterministic=False" in line(first.stdout)[0]
+    assert "10 episodes, deterministic=False" in line(first.stdout)[0]

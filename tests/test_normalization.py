@@ -17,13 +17,13 @@ def test_moments_merge_batches_as_one_stream():
     whose prior count of 1e-4 is too small to show)."""
     rng = np.random.default_rng(0)
     data = (rng.normal(0.0, 2.0, (10, 16, 3)) + rng.normal(0.0, 5.0, (10, 1, 3))).astype(np.float32)
-    moments = ppo_nnx.Moments(jnp.zeros(3), jnp.ones(3), jnp.asarray(1e-4))
+    moments = dict(mean=jnp.zeros(3), var=jnp.ones(3), count=jnp.array(1e-4))
     for batch in data:
         moments = ppo_nnx.update_moments(moments, jnp.asarray(batch))
     flat = data.reshape(-1, 3)
-    np.testing.assert_allclose(moments.mean, flat.mean(0), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(moments.var, flat.var(0), rtol=1e-4)
-    assert float(moments.count) == pytest.approx(160, abs=1e-3)
+    np.testing.assert_allclose(moments["mean"], flat.mean(0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(moments["var"], flat.var(0), rtol=1e-4)
+    assert float(moments["count"]) == pytest.approx(160, abs=1e-3)
     # control: a merge that averages the batches' variances misses the spread of their means
     assert not np.allclose(data.var(1).mean(0), flat.var(0), rtol=1e-4)
 
@@ -50,7 +50,7 @@ def test_replay_needs_the_statistics_the_rollout_used(script):
     raw, steps = [], []
     for _ in range(args.num_steps):  # one step at a time, to see the statistics of each
         stats = runner.norm.obs
-        raw.append(runner.obs * jnp.sqrt(stats.var + 1e-8) + stats.mean)  # what the env gave
+        raw.append(runner.obs * jnp.sqrt(stats["var"] + 1e-8) + stats["mean"])  # the env's
         runner, t = step(runner)
         steps.append(t)
     t = jax.tree.map(lambda *x: jnp.concatenate(x), *steps)
@@ -74,5 +74,5 @@ def test_each_seed_keeps_its_own_statistics():
     alone = ppo_nnx.run(dataclasses.replace(args, seed=2))[0][2].norm
     for got, want in zip(jax.tree.leaves(both), jax.tree.leaves(alone)):
         np.testing.assert_allclose(got[1], want[0], rtol=1e-5, atol=1e-6)
-    assert not np.allclose(both.obs.mean[0], both.obs.mean[1])  # control: the other seed
-    assert not np.allclose(both.ret.var[0], both.ret.var[1])
+    assert not np.allclose(both.obs["mean"][0], both.obs["mean"][1])  # control: the other seed
+    assert not np.allclose(both.ret["var"][0], both.ret["var"][1])
