@@ -6,7 +6,6 @@ import sys
 import types
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -59,16 +58,13 @@ def test_saved_run_evaluates_exactly_as_in_memory(saved, name):
 
 
 def test_wrong_statistics_change_the_evaluation(saved, name):
-    """Controls: the same weights evaluate otherwise with each seed given the other's statistics,
-    or with statistics that never saw an observation (weights saved without their statistics)."""
+    """Control: the loaded weights evaluate otherwise with statistics that never saw an
+    observation, as weights saved without their statistics would."""
     script, (run_dir, (in_memory, _)) = SCRIPTS[name], saved[name]
     args, params, norm = script.load_run(script.Args(eval_checkpoint=str(run_dir),
                                                      eval_episodes=3))
     assert (args.env_id, args.num_seeds, args.norm_obs, args.save_model) == (
         "Pendulum-v1", 2, True, False)
-    np.testing.assert_array_equal(script.evaluate(args, params, norm), in_memory)
-    swapped = script.evaluate(args, params, jax.tree.map(lambda x: x[::-1], norm))
-    assert not np.allclose(swapped, in_memory)
     fresh = norm._replace(obs=dict(norm.obs, mean=jnp.zeros_like(norm.obs["mean"]),
                                    var=jnp.ones_like(norm.obs["var"])))
     assert not np.allclose(script.evaluate(args, params, fresh), in_memory)
