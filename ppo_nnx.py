@@ -16,8 +16,13 @@ import time
 from collections import namedtuple
 from typing import Any, NamedTuple, Optional
 
-import gymnax
 import jax
+
+if "JAX_COORDINATOR_ADDRESS" in os.environ:  # many hosts (see the README), before gymnax's import
+    number = lambda name: int(os.environ[name]) if name in os.environ else None  # None: SLURM's
+    jax.distributed.initialize(num_processes=number("JAX_NUM_PROCESSES"),
+                               process_id=number("JAX_PROCESS_ID"))  # starts jax's backend
+import gymnax  # noqa: E402 (the imports after this one too)
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -25,6 +30,11 @@ import orbax.checkpoint as ocp
 import tyro
 from flax import nnx
 from gymnax.environments import spaces
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+# Shardy (jax 0.11) fails to lower Philox's mulhi inside shard_map: partition with GSPMD
+jax.config.update("jax_use_shardy_partitioner", False)
 
 
 # ======================================== Arguments ========================================
@@ -52,7 +62,8 @@ class Args:
     ent_coef: float = 0.01  # coefficient of the entropy
     vf_coef: float = 0.5  # coefficient of the value function
     max_grad_norm: float = 0.5  # the maximum norm for the gradient clipping
-    num_seeds: int = 1  # seeds trained at once by jax.vmap, in one compiled program
+    num_seeds: int = 1  # seeds trained at once by jax.vmap, in one compiled program, over devices
+    shard_envs: bool = False  # one agent per seed, its envs split over all devices (data parallel)
     hidden_size: int = 64  # width of the tanh hidden layers
     latent_size: int = 0  # size of the VariationalBottleneck in the actor (0 = no bottleneck)
     kl_coef: float = 1e-3  # weight of the bottleneck's KL to N(0, I) in the loss
@@ -66,6 +77,9 @@ class Args:
     batch_size = property(lambda self: self.num_envs * self.num_steps)
     seeds = property(lambda self: range(self.seed, self.seed + self.num_seeds))
     num_iterations = property(lambda self: self.total_timesteps // self.batch_size)
+    env_axis = property(lambda self: "envs" if self.shard_envs else ())  # to average over devices
+    local_envs = property(lambda self: self.num_envs // (jax.device_count() if self.shard_envs
+                                                         else 1))  # the envs of one device
 
 
 def check_args(args: Args) -> Args:
@@ -81,10 +95,12 @@ def check_args(args: Args) -> Args:
             if not ok(getattr(args, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, "
                                  f"got {getattr(args, name)}")
-    if args.batch_size % args.num_minibatches:
+    if not args.eval_checkpoint:  # whose saved --num-seeds needs no devices
+        devices(args)
+    if args.local_envs * args.num_steps % args.num_minibatches:
         raise ValueError(
-            f"--num-minibatches {args.num_minibatches} must divide the batch "
-            f"--num-envs * --num-steps = {args.num_envs} * {args.num_steps} = {args.batch_size}")
+            f"--num-minibatches {args.num_minibatches} must divide the batch --num-envs * "
+            f"--num-steps = {args.local_envs} * {args.num_steps} (per device with --shard-envs)")
     if args.total_timesteps < args.batch_size:
         raise ValueError(f"--total-timesteps {args.total_timesteps} is below one batch "
                          f"(--num-envs * --num-steps = {args.batch_size})")
@@ -92,6 +108,17 @@ def check_args(args: Args) -> Args:
     on = not isinstance(env.action_space(env_params), spaces.Discrete)
     return dataclasses.replace(args, **{k: on for k in ("norm_obs", "norm_reward")
                                         if getattr(args, k) is None})
+
+
+def devices(args: Args) -> list:
+    """The devices of every host, each with an equal share of the seeds or, with --shard-envs,
+    of the envs; a single seed alone runs on one device."""
+    n, flag = (args.num_envs, "num-envs") if args.shard_envs else (args.num_seeds, "num-seeds")
+    if n == 1 and not args.shard_envs and jax.process_count() == 1:
+        return jax.devices()[:1]
+    if n % jax.device_count():
+        raise ValueError(f"--{flag} {n} must be a multiple of the {jax.device_count()} devices")
+    return jax.devices()
 
 
 # ========================================= Modules =========================================
@@ -280,23 +307,29 @@ def observe(obs: jax.Array, args: Args, norm=None) -> jax.Array:
 Norm = namedtuple("Norm", "obs ret discounted")  # and the discounted returns themselves, [B]
 
 
-def update_moments(m: dict, x: jax.Array) -> dict:  # merge in a batch x, [B, ...]
-    delta, count = x.mean(0) - m["mean"], m["count"] + x.shape[0]
-    return dict(mean=m["mean"] + delta * x.shape[0] / count, count=count, var=(m["var"] * m["count"]
-                + x.var(0) * x.shape[0] + delta**2 * m["count"] * x.shape[0] / count) / count)
+def moments(x: jax.Array, args: Args):  # (mean, variance) over axis 0 and the envs of all devices
+    mean = jax.lax.pmean(x.mean(0), args.env_axis)
+    return mean, jax.lax.pmean(((x - mean) ** 2).mean(0), args.env_axis)
+
+
+def update_moments(m: dict, x: jax.Array, args: Args) -> dict:  # merge in a batch x, [B, ...]
+    (mean, var), n = moments(x, args), x.shape[0] * jax.lax.psum(1, args.env_axis)
+    delta, count = mean - m["mean"], m["count"] + n
+    return dict(mean=m["mean"] + delta * n / count, count=count, var=(m["var"] * m["count"]
+                + var * n + delta**2 * m["count"] * n / count) / count)
 
 
 def init_norm(obs: jax.Array, args: Args) -> Norm:  # having seen the reset observations, as gym
     new = lambda x: dict(mean=jnp.zeros_like(x[0]), var=jnp.ones_like(x[0]), count=jnp.array(1e-4))
-    return Norm(update_moments(new(obs), obs) if args.norm_obs else new(obs), new(obs[:, 0]),
+    return Norm(update_moments(new(obs), obs, args) if args.norm_obs else new(obs), new(obs[:, 0]),
                 jnp.zeros(len(obs)))
 
 
 def update_norm(norm: Norm, obs, reward, done, args: Args):
     """(statistics after a step, updated between network calls; with them, its rewards scaled)"""
     discounted = norm.discounted * args.gamma + reward
-    norm = Norm(update_moments(norm.obs, obs) if args.norm_obs else norm.obs,
-                update_moments(norm.ret, discounted) if args.norm_reward else norm.ret,
+    norm = Norm(update_moments(norm.obs, obs, args) if args.norm_obs else norm.obs,
+                update_moments(norm.ret, discounted, args) if args.norm_reward else norm.ret,
                 jnp.where(done, 0.0, discounted) if args.norm_reward else norm.discounted)
     return norm, (jnp.clip(reward / jnp.sqrt(norm.ret["var"] + 1e-8), -10, 10) if args.norm_reward
                   else reward)
@@ -333,6 +366,11 @@ class Transition(NamedTuple):  # one step of every env; the rollout stacks them 
     episode_length: jax.Array
 
 
+def this_device(x, args: Args):  # of the rows of all envs, this device's (--shard-envs)
+    index = jax.lax.axis_index("envs") * args.local_envs if args.shard_envs else 0
+    return jax.lax.dynamic_slice_in_dim(x, index, args.local_envs)
+
+
 def merge(graphdef, params, rest) -> ActorCritic:  # fresh variables: no write leaves a pass
     return nnx.merge(graphdef, params, rest, copy=True)
 
@@ -345,8 +383,8 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, args: Args)
         out = model(runner.carry, runner.obs)
         key, step_key = jax.random.split(runner.key)
         obs, env_state, reward, terminated, truncated, info = jax.vmap(
-            env.step, in_axes=(0, 0, 0, None))(jax.random.split(step_key, len(runner.obs)),
-                                               runner.env_state, out.output["action"], env_params)
+            env.step, in_axes=(0, 0, 0, None))(this_device(jax.random.split(
+                step_key, args.num_envs), args), runner.env_state, out.output["action"], env_params)
         done = terminated | truncated
         norm, scaled = update_norm(runner.norm, observe(obs, args), reward, done, args)
         episode_return, episode_length = runner.episode_return + reward, runner.episode_length + 1
@@ -413,7 +451,8 @@ def ppo_loss(graphdef, params, rest, batch: Batch, args: Args):
     ratio = jnp.exp(log_ratio)
     advantage = batch.advantage
     if args.norm_adv:
-        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+        mean, var = moments(advantage.reshape(-1), args)  # of the minibatch on every device
+        advantage = (advantage - mean) / (jnp.sqrt(var) + 1e-8)
     policy_loss = jnp.maximum(
         -advantage * ratio,
         -advantage * jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
@@ -453,8 +492,8 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
 
     def minibatch_step(state, minibatch):
         params, opt_state = state
-        grads, metrics = jax.grad(ppo_loss, argnums=1, has_aux=True)(
-            graphdef, params, rest, minibatch, args)
+        grads, metrics = jax.lax.pmean(jax.grad(ppo_loss, argnums=1, has_aux=True)(
+            graphdef, params, rest, minibatch, args), args.env_axis)  # averaged over devices
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), metrics
 
@@ -464,7 +503,7 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
 
     def draw(key, _):  # in a loop of its own: see benchmarks/results/stress_jax0.10.2.md
         key, subkey = jax.random.split(key)
-        return key, jax.random.permutation(subkey, args.batch_size)
+        return key, jax.random.permutation(subkey, args.local_envs * args.num_steps)
 
     permutations = jax.lax.scan(draw, key, length=args.update_epochs)[1]
     (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), permutations)
@@ -484,13 +523,13 @@ def make_train(args: Args, report=None, report_every: int = 1):
         key = jax.random.key(jax.random.bits(key, dtype=jnp.uint32), impl="philox2x32")
         init_key, reset_key, runner_key, update_key = jax.random.split(key, 4)
         model = build_model(args, env, env_params, nnx.Rngs(init_key))
-        carry = model.initialize_state(args.num_envs)
+        carry = jax.tree.map(lambda x: this_device(x, args), model.initialize_state(args.num_envs))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: the nnx.Rngs
         obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            jax.random.split(reset_key, args.num_envs), env_params)
+            this_device(jax.random.split(reset_key, args.num_envs), args), env_params)
         norm = init_norm(observe(obs, args), args)
-        runner = Runner(env_state, observe(obs, args, norm), carry, jnp.zeros(args.num_envs),
-                        jnp.zeros(args.num_envs, int), runner_key, norm)
+        runner = Runner(env_state, observe(obs, args, norm), carry, jnp.zeros(args.local_envs),
+                        jnp.zeros(args.local_envs, int), runner_key, norm)
 
         def iteration(state, xs):
             (params, opt_state, runner), (i, update_key) = state, xs
@@ -500,17 +539,20 @@ def make_train(args: Args, report=None, report_every: int = 1):
             params, opt_state, metrics = update(graphdef, params, rest, optimizer, opt_state,
                                                 rollout_batch(t, advantages, returns), update_key,
                                                 args)
-            episodes = (t.terminated | t.truncated).sum()
+            total = lambda x: jax.lax.psum(x.sum(), args.env_axis)  # over all devices' envs
+            variance = lambda x: moments(x.reshape(-1), args)[1]
+            episodes = total(t.terminated | t.truncated)
             metrics.update({
                 "global_step": (i + 1) * args.batch_size,
-                "charts/episodic_return": t.episode_return.sum() / episodes,  # NaN: none ended
-                "charts/episodic_length": t.episode_length.sum() / episodes,
+                "charts/episodic_return": total(t.episode_return) / episodes,  # NaN: none ended
+                "charts/episodic_length": total(t.episode_length) / episodes,
                 "charts/learning_rate": learning_rate(i),
                 "losses/explained_variance": jnp.where(  # NaN for constant returns, as CleanRL
-                    jnp.var(returns) > 0,
-                    1.0 - jnp.var(returns - t.output["value"]) / jnp.var(returns), jnp.nan)})
-            if report is not None:
-                due = ((i + 1) % report_every == 0) | (i + 1 == args.num_iterations)
+                    variance(returns) > 0,
+                    1.0 - variance(returns - t.output["value"]) / variance(returns), jnp.nan)})
+            if report is not None:  # from one device of each seed
+                first = jax.lax.axis_index("envs") == 0 if args.shard_envs else True
+                due = first & (((i + 1) % report_every == 0) | (i + 1 == args.num_iterations))
                 jax.lax.cond(due, lambda: jax.debug.callback(report, seed_index, metrics),
                              lambda: None)
             return (params, opt_state, runner), metrics
@@ -529,20 +571,28 @@ def run(args: Args, report=None, report_every: int = 1, repeats: int = 1):
     clock = {}
     timed = report and (lambda i, metrics: report(i, metrics, time.time() - clock["start"]))
     train = make_train(args, timed, report_every)
-    seed_index = jnp.arange(args.num_seeds)
-    keys = jax.vmap(jax.random.key)(args.seed + seed_index)
+    mesh = jax.sharding.Mesh(np.reshape(devices(args), (1, -1) if args.shard_envs else (-1, 1)),
+                             ("seeds", "envs"))
+    seeds, per_env = P("seeds"), P("seeds", "envs")  # how the results are split over devices
 
-    def train_seeds(keys, seed_index):
-        if args.num_seeds == 1:  # a vmap over one seed costs speed on CPU
+    def train_seeds(seed_index):  # the seeds of one device
+        keys = jax.vmap(jax.random.key)(args.seed + seed_index)
+        if len(seed_index) == 1:  # a vmap over one seed costs speed on CPU
             return jax.tree.map(lambda x: x[None], train(keys[0], seed_index[0]))
         return jax.vmap(train)(keys, seed_index)
 
-    start = time.time()
-    compiled = jax.jit(train_seeds).lower(keys, seed_index).compile()
+    # check_vma=False: gradients averaged by hand, as under pmap (with it, grad would sum them)
+    train_seeds = jax.shard_map(train_seeds, mesh=mesh, in_specs=seeds, check_vma=False, out_specs=(
+        (seeds, seeds, Runner(*[per_env] * 5, seeds, Norm(seeds, seeds, per_env))), seeds))
+    seed_index = jax.make_array_from_callback(  # on every host, the seeds of its own devices
+        (args.num_seeds,), NamedSharding(mesh, seeds), lambda i: np.arange(args.num_seeds)[i])
+    start = time.time()  # the results are replicated, for every host to read
+    compiled = jax.jit(train_seeds, out_shardings=NamedSharding(mesh, P())).lower(
+        seed_index).compile()
     compile_s, train_s = time.time() - start, []
     for _ in range(repeats):
         clock["start"] = time.time()
-        state, metrics = jax.block_until_ready(compiled(keys, seed_index))
+        state, metrics = jax.block_until_ready(compiled(seed_index))
         train_s.append(time.time() - clock["start"])
     return state, metrics, compile_s, train_s
 
@@ -656,6 +706,9 @@ def init_wandb(args: Args, stamp: int) -> list:
 
 def main(args: Args) -> None:
     stamp = int(time.time())
+    if jax.process_count() > 1:  # one run name for all hosts; only process 0 prints and logs
+        stamp = int(multihost_utils.broadcast_one_to_all(np.int32(stamp)))
+        sys.stdout = sys.stdout if jax.process_index() == 0 else open(os.devnull, "w")
     try:
         args, *saved = load_run(args) if args.eval_checkpoint else (check_args(args),)
         run_dir = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}"
@@ -664,11 +717,14 @@ def main(args: Args) -> None:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    wandb_runs = init_wandb(args, stamp) if args.track else []
+    wandb_runs = init_wandb(args, stamp) if args.track and jax.process_index() == 0 else []
     total = args.num_iterations * args.batch_size
-    latest, reached, printed = np.full(args.num_seeds, np.nan), np.zeros(args.num_seeds, int), [0]
+    shown = args.num_seeds // (1 if args.shard_envs else jax.process_count())  # process 0's seeds
+    latest, reached, printed = np.full(shown, np.nan), np.zeros(shown, int), [0]
 
     def report(seed_index, metrics, elapsed):  # a console line a second, once all seeds got there
+        if jax.process_index():
+            return
         seed_index, metrics = int(seed_index), {k: float(v) for k, v in metrics.items()}
         if wandb_runs:
             wandb_runs[seed_index].log(metrics)
@@ -693,7 +749,10 @@ def main(args: Args) -> None:
               f"final_episodic_return={[round(float(r), 2) for r in finals]} "
               f"env_steps={total * args.num_seeds} compile_s={compile_s:.1f} "
               f"train_s={train_s:.1f} SPS={total * args.num_seeds / train_s:,.0f}")
-        saved = state[0], state[2].norm
+        saved = jax.tree.map(np.asarray, (state[0], state[2].norm))
+        for seed_index, wandb_run in list(enumerate(wandb_runs))[shown:]:  # other hosts' seeds
+            for i in range(args.num_iterations):
+                wandb_run.log({k: float(v[seed_index, i]) for k, v in metrics.items()})
     if args.save_model and not failure:  # an Orbax checkpoint per seed: params, statistics, Args
         for i, seed in enumerate(args.seeds):
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(

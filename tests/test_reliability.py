@@ -26,15 +26,15 @@ import stress  # noqa: E402
 @pytest.fixture(scope="module", params=["ppo_nnx", "ppo_nnx_vae_lstm"])
 def seed_runs(request):
     """30 iterations of seeds 0..2 vmapped, and of one seed alone (not vmapped, as --num-seeds 1
-    runs), the alone program compiled twice."""
+    runs), the alone program compiled twice; "seed 2" is the vmapped run's (the controls')."""
     script = __import__(request.param)
     args = tiny_args(script, total_timesteps=4 * 32 * 30, latent_size=4)
     vmapped = train(script, dataclasses.replace(args, seed=0, num_seeds=3))
     runs = {"vmapped": vmapped, "seed 1": train(script, dataclasses.replace(args, seed=1)),
-            "seed 1 again": train(script, dataclasses.replace(args, seed=1)),
-            "seed 2": train(script, dataclasses.replace(args, seed=2))}
-    return {name: {k: v[-1] if name != "vmapped" else v for k, v in run.items()}
+            "seed 1 again": train(script, dataclasses.replace(args, seed=1))}
+    runs = {name: {k: v[-1] if name != "vmapped" else v for k, v in run.items()}
             for name, run in runs.items()}
+    return {**runs, "seed 2": {k: v[2] for k, v in vmapped.items()}}
 
 
 def bitwise_equal(a: dict, b: dict) -> bool:
@@ -63,7 +63,7 @@ def test_vmapped_seed_matches_the_seed_alone(seed_runs):
     1e-7 relative (measured; 500 iterations stayed within 4e-7 and kept every return equal)."""
     vmapped_seed_1 = {k: v[1] for k, v in seed_runs["vmapped"].items()}
     assert same_run(vmapped_seed_1, seed_runs["seed 1"])
-    assert not same_run(vmapped_seed_1, seed_runs["seed 2"])  # control: another seed
+    assert not same_run(seed_runs["seed 2"], seed_runs["seed 1"])  # control: another seed
     assert np.isfinite(vmapped_seed_1["charts/episodic_return"]).sum() > 10  # episodes ended
 
 
