@@ -20,11 +20,10 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 
-if "JAX_COORDINATOR_ADDRESS" in os.environ:  # many hosts (see the README), before gymnax's import
-    number = lambda name: int(os.environ[name]) if name in os.environ else None  # None: SLURM's
-    jax.distributed.initialize(num_processes=number("JAX_NUM_PROCESSES"),
-                               process_id=number("JAX_PROCESS_ID"))  # starts jax's backend
-import gymnax  # noqa: E402 (the imports after this one too)
+if "JAX_COORDINATOR_ADDRESS" in os.environ:  # many hosts: see the README (None: SLURM's, MPI's)
+    jax.distributed.initialize(None, *[int(os.environ[k]) if k in os.environ else None
+                                       for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")])
+import gymnax  # after jax.distributed: importing gymnax starts jax's backend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -98,12 +97,11 @@ def check_args(args: Args) -> Args:
             if not ok(getattr(args, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, "
                                  f"got {getattr(args, name)}")
-    if not args.eval_checkpoint:  # whose saved --num-seeds needs no devices
+    if not args.eval_checkpoint:  # a saved run, only evaluated, needs neither devices nor batches
         devices(args)
-    if args.local_envs % args.num_minibatches:
-        raise ValueError(
-            f"--num-minibatches {args.num_minibatches} must divide --num-envs {args.local_envs} "
-            "(per device with --shard-envs): minibatches are groups of whole env sequences")
+        if args.local_envs % args.num_minibatches:
+            raise ValueError(f"--num-minibatches {args.num_minibatches} must divide --num-envs "
+                             f"{args.num_envs} ({args.local_envs} per device): whole env sequences")
     if args.total_timesteps < args.batch_size:
         raise ValueError(f"--total-timesteps {args.total_timesteps} is below one batch "
                          f"(--num-envs * --num-steps = {args.batch_size})")
@@ -119,8 +117,9 @@ def devices(args: Args) -> list:
     if n == 1 and not args.shard_envs and jax.process_count() == 1:
         return jax.devices()[:1]
     if n % jax.device_count():
-        raise ValueError(f"--{flag} {n} must be a multiple of the {jax.device_count()} devices")
-    return jax.devices()
+        raise ValueError(f"--{flag} {n} must be a multiple of the {jax.device_count()} devices "
+                         "(CUDA_VISIBLE_DEVICES or JAX_PLATFORMS=cpu can show fewer)")
+    return sorted(jax.devices(), key=lambda d: d.process_index)  # each host's seeds in a row
 
 
 # ========================================= Modules =========================================
@@ -579,7 +578,8 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
         key, subkey = jax.random.split(key)
         return key, jax.random.permutation(subkey, args.local_envs)
 
-    permutations = jax.lax.scan(draw, key, length=args.update_epochs)[1]
+    key = jax.random.fold_in(key, jax.lax.axis_index("envs")) if args.shard_envs else key
+    permutations = jax.lax.scan(draw, key, length=args.update_epochs)[1]  # each device its own
     (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), permutations)
     return params, opt_state, jax.tree.map(jnp.mean, metrics)
 
@@ -784,7 +784,7 @@ def main(args: Args) -> None:
     stamp = int(time.time())
     if jax.process_count() > 1:  # one run name for all hosts; only process 0 prints and logs
         stamp = int(multihost_utils.broadcast_one_to_all(np.int32(stamp)))
-        sys.stdout = sys.stdout if jax.process_index() == 0 else open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w") if jax.process_index() else sys.stdout
     try:
         args, *saved = load_run(args) if args.eval_checkpoint else (check_args(args),)
         run_dir = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}"
@@ -828,7 +828,7 @@ def main(args: Args) -> None:
         saved = jax.tree.map(np.asarray, (state[0], state[2].norm))
         for seed_index, wandb_run in list(enumerate(wandb_runs))[shown:]:  # other hosts' seeds
             for i in range(args.num_iterations):
-                wandb_run.log({k: float(v[seed_index, i]) for k, v in metrics.items()})
+                wandb_run.log({k: float(np.asarray(v)[seed_index, i]) for k, v in metrics.items()})
     if args.save_model and not failure:  # an Orbax checkpoint per seed: params, statistics, Args
         for i, seed in enumerate(args.seeds):
             ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(

@@ -9,15 +9,14 @@ def test_help(script):
     result = run_cli(script, "--help")
     assert result.returncode == 0
     for flag in ("--num-minibatches", "--latent-size", "--mask-velocity", "--num-seeds",
-                 "--norm-obs", "--save-model", "--eval-episodes", "--eval-checkpoint"):
+                 "--norm-obs", "--save-model", "--eval-episodes", "--eval-checkpoint",
+                 "--shard-envs"):
         assert flag in result.stdout
     assert "the number of parallel game environments" in result.stdout  # help from the comments
 
 
-@pytest.mark.parametrize("num_seeds, seeds", [("1", "seeds=[1]"), ("2", "seeds=[1, 2]")])
-def test_tiny_run_prints_progress_and_summary(script, num_seeds, seeds):
+def check_progress_and_summary(result, num_seeds: int, seeds: str):
     """Progress lines come live from the compiled loop, one per report with every seed's return."""
-    result = run_cli(script, *TINY_FLAGS, "--num-seeds", num_seeds)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     progress = [line for line in lines if line.startswith("global_step=")]
@@ -28,10 +27,15 @@ def test_tiny_run_prints_progress_and_summary(script, num_seeds, seeds):
     assert len(summary) == 1 and seeds in summary[0] and "SPS=" in summary[0]
 
 
+def test_tiny_run_prints_progress_and_summary(script):
+    check_progress_and_summary(run_cli(script, *TINY_FLAGS), 1, "seeds=[1]")
+
+
 def test_track_writes_offline_wandb_runs(script, tmp_path):
+    """Two seeds: the console shows both, and each gets its own W&B run."""
     result = run_cli(script, *TINY_FLAGS, "--num-seeds", "2", "--track", "--eval-episodes", "2",
                      cwd=tmp_path, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
-    assert result.returncode == 0, result.stderr
+    check_progress_and_summary(result, 2, "seeds=[1, 2]")
     run_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(run_files) == 2  # one run per seed
     iterations = 1024 // (4 * 32)

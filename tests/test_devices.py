@@ -57,11 +57,12 @@ def seeds_args(script):
 
 
 def sharded_args(script, **overrides):
-    """8 envs, 2 per device. One minibatch, one epoch: every replay comes before any gradient step,
-    so the ratio is 1 where replay is exact, and the update does not hang on how each device
-    shuffles its envs (a sum over all samples). Pendulum: normalization on, as by default."""
+    """2 seeds of 8 envs, 2 per device, 8 iterations: past Pendulum's 200-step limit. One
+    minibatch, one epoch: every replay comes before any gradient step, so the ratio is 1 where
+    replay is exact, and the update does not hang on how each device shuffles its envs (a sum
+    over all samples). Pendulum: normalization on, as by default."""
     return tiny_args(script, env_id="Pendulum-v1", num_envs=8, num_minibatches=1, update_epochs=1,
-                     latent_size=4, **overrides)
+                     latent_size=4, num_seeds=2, total_timesteps=8 * 32 * 8, **overrides)
 
 
 @pytest.fixture(scope="module", params=[ppo_nnx, ppo_nnx_vae_lstm], ids=lambda m: m.__name__)
@@ -91,12 +92,17 @@ def test_seeds_over_4_devices_equal_one_device(runs):
 
 
 def test_sharded_envs_equal_one_device(runs):
-    """--shard-envs: 8 envs over 4 devices train the agent that 8 envs train on one device; the
-    control averages the advantage statistics over one device's envs only, and misses."""
+    """--shard-envs: 8 envs over 4 devices train the agent that 8 envs train on one device, and
+    log the same metrics (episode returns summed over devices); the control takes the advantage
+    and normalization statistics over one device's envs only, and misses."""
     _, got = runs
     assert same_params(got["sharded"][0], got["one_sharded"][0])
-    np.testing.assert_allclose(got["sharded"][1]["losses/value_loss"],
-                               got["one_sharded"][1]["losses/value_loss"], rtol=1e-5)
+    (_, metrics), (_, one_metrics) = got["sharded"], got["one_sharded"]
+    assert metrics.keys() == one_metrics.keys()
+    for k in metrics:  # looser: rounding grows in ratios such as the explained variance
+        np.testing.assert_allclose(metrics[k], one_metrics[k], rtol=1e-4, atol=1e-5,
+                                   equal_nan=True, err_msg=k)
+    assert np.isfinite(metrics["charts/episodic_return"]).sum() >= 2  # episodes ended
     if "local moments" in got:
         assert not same_params(got["local moments"][0], got["one_sharded"][0])
 
@@ -145,6 +151,7 @@ def test_devices_must_divide_seeds_or_envs():
             "    except ValueError as error: print(error)\n")
     result = subprocess.run([sys.executable, "-c", code], env=devices_env(4), text=True,
                             capture_output=True, timeout=120, cwd=HERE.parent)
-    assert result.stdout.splitlines() == [
-        "1", "--num-seeds 6 must be a multiple of the 4 devices",
-        "--num-envs 6 must be a multiple of the 4 devices"], result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3 and lines[0] == "1", result.stdout + result.stderr
+    assert lines[1].startswith("--num-seeds 6 must be a multiple of the 4 devices (")
+    assert lines[2].startswith("--num-envs 6 must be a multiple of the 4 devices (")
