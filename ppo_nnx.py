@@ -723,7 +723,7 @@ def main(args: Args) -> None:
     shown = args.num_seeds // (1 if args.shard_envs else jax.process_count())  # process 0's seeds
     latest, reached, printed = np.full(shown, np.nan), np.zeros(shown, int), [0]
 
-    def report(seed_index, metrics, elapsed):  # a console line a second, once all seeds got there
+    def report(seed_index, metrics, elapsed):  # a console line a second, once all shown got there
         if jax.process_index():
             return
         seed_index, metrics = int(seed_index), {k: float(v) for k, v in metrics.items()}
