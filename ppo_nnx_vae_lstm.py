@@ -165,6 +165,10 @@ def carry_after_step(module: StatefulModule, next_state: Any, done: jax.Array) -
                                                r, k), module.reset_state(next_state), next_state)
 
 
+def rows(layer, x: jax.Array) -> jax.Array:  # layer on [T, B, n] as [T * B, n]: a 3-D dot's
+    return layer(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (-1,))  # gradient is slow
+
+
 def flatten_steps(tree):  # [T, B, ...] -> [T * B, ...]
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
@@ -240,7 +244,7 @@ class LSTM(StatefulModule):
             next_carry = self.cell_step(carry, projected_x)
             return carry_after_step(self, next_carry, done), next_carry
 
-        next_carries = jax.lax.scan(step, carry, (self.cell.dense_i(xs), done))[1]
+        next_carries = jax.lax.scan(step, carry, (rows(self.cell.dense_i, xs), done))[1]
         return Output(next_carries, next_carries[1], jnp.zeros(done.shape), {}, ())
 
 
@@ -326,10 +330,11 @@ class ActorCritic(StatefulModule):
                           else child.unroll(carry[name], x, done, extras))
             return outs[name].output
 
-        hidden = run("lstm", jnp.tanh(self.encoder(obs)))
+        hidden = run("lstm", jnp.tanh(rows(self.encoder, obs)))
         if self.bottleneck is not None:
             hidden = run("bottleneck", hidden)
-        output = dict(run("sampler", self.actor_head(hidden)), value=self.critic(hidden)[..., 0])
+        output = dict(run("sampler", rows(self.actor_head, hidden)),
+                      value=rows(self.critic, hidden)[..., 0])
         if self.bottleneck is not None:
             output["latent"] = hidden
         return Output({n: out.next_state for n, out in outs.items()}, output,
