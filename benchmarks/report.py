@@ -75,8 +75,10 @@ RATIOS = {  # label -> (numerator, denominator, column)
     "ppo_nnx / rejax, 64 envs": ("ppo_nnx 64 envs", "rejax 64 envs", "sps"),
     "8 seeds / 1 seed (aggregate env steps/s)": ("ppo_nnx 8 seeds", "ppo_nnx", "sps"),
     "32 seeds / 1 seed (aggregate env steps/s)": ("ppo_nnx 32 seeds", "ppo_nnx", "sps"),
-    "ppo_nnx / ppo_nnx_vae_lstm, both at 32 envs x 32 steps": (
+    "ppo_nnx / ppo_nnx_vae_lstm, both at 32 envs x 32 steps, 2 minibatches": (
         "ppo_nnx at ppo_nnx_vae_lstm settings", "ppo_nnx_vae_lstm defaults", "sps"),
+    "ppo_nnx / ppo_nnx_vae_lstm, both at CleanRL's settings (4 envs x 128 steps)": (
+        "ppo_nnx", "ppo_nnx_vae_lstm at ppo_nnx settings", "sps"),
     "random-action floor / ppo_nnx": ("random actions (floor)", "ppo_nnx", "sps"),
 }
 

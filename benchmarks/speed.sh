@@ -32,7 +32,7 @@ for k in 1 2 3; do
         ppo_nnx_vae_lstm --num-envs 4 "${CLEANRL[@]}" --total-timesteps 500000
     record --name "ppo_nnx at ppo_nnx_vae_lstm settings" \
         $OUT/ppo_nnx-at-ppo_nnx_vae_lstm-settings/round$k.json \
-        ppo_nnx --num-envs 32 --num-steps 32 --total-timesteps 500000
+        ppo_nnx --num-envs 32 --num-steps 32 --num-minibatches 2 --total-timesteps 500000
     record --name "random actions (floor)" $OUT/floor/round$k.json \
         floor --num-envs 4 --total-timesteps 500000
 done
