@@ -178,7 +178,8 @@ def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:  # (next keys
 
 
 def normal_per_env(keys: jax.Array, like: jax.Array) -> jax.Array:  # row b from keys[b] alone
-    return jax.vmap(lambda key: jax.random.normal(key, like.shape[1:]))(keys)
+    noise = jax.vmap(lambda key: jax.random.normal(key, like.shape[1:]))(keys)
+    return jax.lax.optimization_barrier(noise)  # drawn once: XLA copied it into each consumer
 
 
 class KeyCarryModule(StatefulModule):
