@@ -65,18 +65,24 @@ SOURCES = {
 
 # The speed configurations (speed.sh) in table order, and the ratios read from them.
 CONFIGS = [
-    "ppo_nnx", "rejax", "ppo_nnx 64 envs", "rejax 64 envs", "ppo_nnx 8 seeds", "ppo_nnx 32 seeds",
-    "ppo_nnx_vae_lstm defaults", "ppo_nnx_vae_lstm at ppo_nnx settings",
-    "ppo_nnx at ppo_nnx_vae_lstm settings", "random actions (floor)",
+    "ppo_nnx", "rejax", "ppo_nnx 64 envs", "rejax 64 envs", "ppo_nnx 8 seeds",
+    "ppo_nnx 8 seeds, 2 CPU devices", "ppo_nnx 32 seeds", "ppo_nnx_vae_lstm defaults",
+    "ppo_nnx_vae_lstm at ppo_nnx settings", "ppo_nnx at ppo_nnx_vae_lstm settings",
+    "ppo_nnx at ppo_nnx_vae_lstm settings, no bottleneck", "random actions (floor)",
 ]
 RATIOS = {  # label -> (numerator, denominator, column)
     "ppo_nnx / rejax, CleanRL CartPole settings": ("ppo_nnx", "rejax", "sps"),
     "ppo_nnx / rejax compile time": ("ppo_nnx", "rejax", "compile_s"),
     "ppo_nnx / rejax, 64 envs": ("ppo_nnx 64 envs", "rejax 64 envs", "sps"),
     "8 seeds / 1 seed (aggregate env steps/s)": ("ppo_nnx 8 seeds", "ppo_nnx", "sps"),
+    "8 seeds on 2 CPU devices (one per core) / 1 seed": (
+        "ppo_nnx 8 seeds, 2 CPU devices", "ppo_nnx", "sps"),
     "32 seeds / 1 seed (aggregate env steps/s)": ("ppo_nnx 32 seeds", "ppo_nnx", "sps"),
-    "ppo_nnx / ppo_nnx_vae_lstm, both at 32 envs x 32 steps, 2 minibatches": (
+    "ppo_nnx / ppo_nnx_vae_lstm, the same flags (the recurrent defaults)": (
         "ppo_nnx at ppo_nnx_vae_lstm settings", "ppo_nnx_vae_lstm defaults", "sps"),
+    "ppo_nnx without its bottleneck / ppo_nnx_vae_lstm defaults (with one)": (
+        "ppo_nnx at ppo_nnx_vae_lstm settings, no bottleneck", "ppo_nnx_vae_lstm defaults",
+        "sps"),
     "ppo_nnx / ppo_nnx_vae_lstm, both at CleanRL's settings (4 envs x 128 steps)": (
         "ppo_nnx", "ppo_nnx_vae_lstm at ppo_nnx settings", "sps"),
     "random-action floor / ppo_nnx": ("random actions (floor)", "ppo_nnx", "sps"),
