@@ -7,13 +7,15 @@ Phases: one rollout step (network, sampling, env step, statistics), the whole ro
 bootstrap values and GAE, one minibatch's forward and backward pass, one optimizer step, the whole
 update (epochs x minibatches, with the shuffles and gathers), and the whole iteration. Each time is
 the median of 20 calls after a warm-up; the phases run as separate programs, so their sum is more
-than the iteration's own time (a call's dispatch, and fusions that cross phases).
+than the iteration's own time (a call's dispatch, and fusions that cross phases). Last, a trace
+of 10 whole iterations (jax.profiler): the time of every XLA thunk, grouped by how often it runs.
 """
 
 import importlib
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -105,3 +107,29 @@ profile(f"update (shuffles, gathers, {minibatches} minibatch steps), per minibat
         per=minibatches)
 train = P.make_train(P.dataclasses.replace(args, total_timesteps=args.batch_size * 10))
 profile("whole iteration, of 10 in a train", lambda k: train(k)[1], key, per=10)
+
+# Per XLA operation: the whole train traced by jax.profiler, each thunk's time summed over the
+# run and grouped by how many times it runs per iteration (1: once, num_steps: a rollout step...).
+# The profiler adds about 0.7 us to every thunk it records: the small ones read high.
+iterations = 10
+train = jax.jit(train)
+jax.block_until_ready(train(key))
+with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder):
+        jax.block_until_ready(train(key))
+    trace = jax.profiler.ProfileData.from_file(str(next(Path(folder).rglob("*.xplane.pb"))))
+total, count = Counter(), Counter()
+for line in (line for plane in trace.planes for line in plane.lines if "XLAEigen" in line.name):
+    for event in line.events:
+        total[event.name] += event.duration_ns / iterations / 1e3
+        count[event.name] += 1 / iterations
+groups = {}
+for name in total:
+    if not name.startswith(("ThunkExecutor", "while", "Threadpool", "SlinkyThreadPool")):
+        groups.setdefault(max(1, round(count[name])), []).append(name)
+print("\n| runs per iteration | thunks | us per iteration (traced) | the largest (us per run) |")
+print("| --- | --- | --- | --- |")
+for runs, names in sorted(groups.items()):
+    names.sort(key=lambda n: -total[n])
+    print(f"| {runs} | {len(names)} | {sum(total[n] for n in names):,.0f} | "
+          + ", ".join(f"{n} {total[n] / count[n]:.1f}" for n in names[:4]) + " |")
