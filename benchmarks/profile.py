@@ -109,8 +109,10 @@ train = P.make_train(P.dataclasses.replace(args, total_timesteps=args.batch_size
 profile("whole iteration, of 10 in a train", lambda k: train(k)[1], key, per=10)
 
 # Per XLA operation: the whole train traced by jax.profiler, each thunk's time summed over the
-# run and grouped by how many times it runs per iteration (1: once, num_steps: a rollout step...).
-# The profiler adds about 0.7 us to every thunk it records: the small ones read high.
+# run and grouped by how many times it runs per iteration (1: once, num_steps: a rollout step...;
+# what runs once per train, like the initialization, lands in 1, a tenth of its time each).
+# The profiler adds about 0.7 us to every thunk it records: the small ones read high. Loops,
+# conditionals and calls are left out: their time is their thunks'.
 iterations = 10
 train = jax.jit(train)
 jax.block_until_ready(train(key))
@@ -125,7 +127,8 @@ for line in (line for plane in trace.planes for line in plane.lines if "XLAEigen
         count[event.name] += 1 / iterations
 groups = {}
 for name in total:
-    if not name.startswith(("ThunkExecutor", "while", "Threadpool", "SlinkyThreadPool")):
+    if not name.startswith(("ThunkExecutor", "while", "conditional", "call", "Threadpool",
+                            "SlinkyThreadPool")):
         groups.setdefault(max(1, round(count[name])), []).append(name)
 print("\n| runs per iteration | thunks | us per iteration (traced) | the largest (us per run) |")
 print("| --- | --- | --- | --- |")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed of the compiled train functions beside rejax's PPO: each configuration runs in its own
 # process (compile once, 3 timed calls) and writes its own result file; report.py then makes the
-# table from all of them. About 20 to 25 min on a 2-core CPU.
+# table from all of them. About 22 min on a 2-core CPU.
 #   bash benchmarks/speed.sh                          # from the repository root
 #   PYTHON=.venv/bin/python bash benchmarks/speed.sh
 # A subset: paste the lines up to the loop, then the lines you want with k set, then the report.
@@ -25,8 +25,8 @@ for k in 1 2 3; do
         rejax --num-envs 64 "${CLEANRL[@]}" --total-timesteps 500000
     record --name "ppo_nnx 8 seeds" $OUT/ppo_nnx-8-seeds/round$k.json \
         ppo_nnx --num-envs 4 "${CLEANRL[@]}" --total-timesteps 200000 --num-seeds 8
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 record --name "ppo_nnx 8 seeds, 2 CPU devices" \
-        $OUT/ppo_nnx-8-seeds-2-devices/round$k.json \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=2" \
+        record --name "ppo_nnx 8 seeds, 2 CPU devices" $OUT/ppo_nnx-8-seeds-2-devices/round$k.json \
         ppo_nnx --num-envs 4 "${CLEANRL[@]}" --total-timesteps 200000 --num-seeds 8
     record --name "ppo_nnx 32 seeds" $OUT/ppo_nnx-32-seeds/round$k.json \
         ppo_nnx --num-envs 4 "${CLEANRL[@]}" --total-timesteps 100000 --num-seeds 32
