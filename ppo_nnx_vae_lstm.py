@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections import namedtuple
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 
@@ -65,7 +65,8 @@ class Args:
     max_grad_norm: float = 0.5  # the maximum norm for the gradient clipping
     num_seeds: int = 1  # seeds trained at once by jax.vmap, in one compiled program, over devices
     shard_envs: bool = False  # one agent per seed, its envs split over all devices (data parallel)
-    hidden_size: int = 64  # width of the tanh hidden layers
+    hidden_size: int = 64  # width of the hidden layers
+    activation: Literal["tanh", "relu"] = "tanh"  # the hidden layers' nonlinearity (CleanRL: tanh)
     lstm_size: int = 32  # size of the LSTM's state
     latent_size: int = 16  # size of the VariationalBottleneck after the LSTM (0 = no bottleneck)
     kl_coef: float = 1e-3  # weight of the bottleneck's KL to N(0, I) in the loss
@@ -97,6 +98,9 @@ def check_args(args: Args) -> Args:
             if not ok(getattr(args, name)):
                 raise ValueError(f"--{name.replace('_', '-')} must be {rule}, "
                                  f"got {getattr(args, name)}")
+    if args.activation not in ACTIVATIONS:
+        raise ValueError(f"--activation must be one of {', '.join(ACTIVATIONS)}, got "
+                         f"{args.activation!r}")
     if not args.eval_checkpoint:  # a saved run, only evaluated, needs neither devices nor batches
         devices(args)
         if args.local_envs % args.num_minibatches:
@@ -205,13 +209,17 @@ class KeyCarryModule(StatefulModule):
         return Output(*map(steps, out[:3]), out.metrics, steps(out.rollout_extras))
 
 
-def mlp(sizes: list[int], out_scale: float, rngs: nnx.Rngs) -> nnx.Sequential:
-    """Linear layers with tanh between them, CleanRL's orthogonal initialization."""
+ACTIVATIONS = {"tanh": jnp.tanh, "relu": jax.nn.relu}  # --activation
+
+
+def mlp(sizes: list[int], out_scale: float, args: Args, rngs: nnx.Rngs) -> nnx.Sequential:
+    """Linear layers with --activation between them, CleanRL's orthogonal initialization."""
     scales = [math.sqrt(2)] * (len(sizes) - 2) + [out_scale]
     layers = [nnx.Linear(n_in, n_out, kernel_init=nnx.initializers.orthogonal(scale),
                          bias_init=nnx.initializers.zeros_init(), rngs=rngs)
               for n_in, n_out, scale in zip(sizes[:-1], sizes[1:], scales)]
-    return nnx.Sequential(*[f for layer in layers for f in (layer, jnp.tanh)][:-1])
+    act = ACTIVATIONS[args.activation]
+    return nnx.Sequential(*[f for layer in layers for f in (layer, act)][:-1])
 
 
 class LSTM(StatefulModule):
@@ -311,13 +319,15 @@ class ActorCritic(StatefulModule):
     def __init__(self, obs_size: int, action_head: int, sampler: StatefulModule, args: Args,
                  rngs: nnx.Rngs):
         h = args.hidden_size
-        self.encoder = mlp([obs_size, h], math.sqrt(2), rngs)
+        self.encoder = mlp([obs_size, h], math.sqrt(2), args, rngs)
         self.lstm = LSTM(h, args.lstm_size, rngs)
         self.bottleneck = (VariationalBottleneck(args.lstm_size, args.latent_size, args.kl_coef,
                                                  rngs) if args.latent_size else None)
-        self.actor_head = mlp([args.latent_size or args.lstm_size, h, action_head], 0.01, rngs)
+        self.actor_head = mlp([args.latent_size or args.lstm_size, h, action_head], 0.01, args,
+                              rngs)
         self.sampler = sampler
-        self.critic = mlp([args.latent_size or args.lstm_size, h, 1], 1.0, rngs)
+        self.critic = mlp([args.latent_size or args.lstm_size, h, 1], 1.0, args, rngs)
+        self.activation = ACTIVATIONS[args.activation]
         self.stateful = ("lstm",) + (("bottleneck",) if args.latent_size else ()) + ("sampler",)
 
     def __call__(self, carry, obs, rollout_extras=None, done=None):
@@ -331,7 +341,7 @@ class ActorCritic(StatefulModule):
                           else child.unroll(carry[name], x, done, extras))
             return outs[name].output
 
-        hidden = run("lstm", jnp.tanh(rows(self.encoder, obs)))
+        hidden = run("lstm", self.activation(rows(self.encoder, obs)))
         if self.bottleneck is not None:
             hidden = run("bottleneck", hidden)
         output = dict(run("sampler", rows(self.actor_head, hidden)),

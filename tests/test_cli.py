@@ -66,6 +66,7 @@ def test_unknown_env_exits_2_via_cli(script):
     (dict(gamma=1.5), "--gamma"),
     (dict(learning_rate=float("nan")), "--learning-rate"),
     (dict(latent_size=-1), "--latent-size"),
+    (dict(activation="gelu"), "--activation"),
     (dict(env_id="Acrobot-v1", mask_velocity=True), "--mask-velocity"),
 ])
 def test_bad_input_exits_2_with_one_line(script, capsys, overrides, flag):

@@ -105,6 +105,29 @@ def test_gaussian_sampler_closed_form(script):
     assert not np.allclose(clipped.output["log_prob"], expected, rtol=1e-6)
 
 
+NUMPY_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
+
+
+@pytest.mark.parametrize("activation, other", [("tanh", "relu"), ("relu", "tanh")])
+def test_activation_between_hidden_layers(script, activation, other):
+    """--activation is the nonlinearity of every hidden layer: an mlp against numpy."""
+    args = dataclasses.replace(script.Args(), activation=activation)
+    net = script.mlp([3, 8, 8, 2], 1.0, args, nnx.Rngs(0))
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+
+    def forward(f):
+        h = x
+        for i, layer in enumerate(layer for layer in net.layers if isinstance(layer, nnx.Linear)):
+            h = h @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
+            h = f(h) if i < 2 else h  # none after the output layer
+        return h
+
+    np.testing.assert_allclose(net(jnp.asarray(x)), forward(NUMPY_ACTIVATIONS[activation]),
+                               rtol=1e-5, atol=1e-6)
+    # negative control: the other nonlinearity gives other outputs
+    assert not np.allclose(net(jnp.asarray(x)), forward(NUMPY_ACTIVATIONS[other]), atol=1e-3)
+
+
 def test_gaussian_sampler_moments(script):
     sampler = script.GaussianSampler(1, (-100.0,), (100.0,), nnx.Rngs(0))
     sampler.log_std[...] = jnp.array([math.log(0.7)])
