@@ -183,14 +183,13 @@ class KeyCarryModule(StatefulModule):
 ACTIVATIONS = {"tanh": jnp.tanh, "relu": jax.nn.relu}  # --activation
 
 
-def mlp(sizes: list[int], out_scale: float, args: Args, rngs: nnx.Rngs) -> nnx.Sequential:
-    """Linear layers with --activation between them, CleanRL's orthogonal initialization."""
+def mlp(sizes: list[int], out_scale: float, activation, rngs: nnx.Rngs) -> nnx.Sequential:
+    """Linear layers with `activation` between them, CleanRL's orthogonal initialization."""
     scales = [math.sqrt(2)] * (len(sizes) - 2) + [out_scale]
     layers = [nnx.Linear(n_in, n_out, kernel_init=nnx.initializers.orthogonal(scale),
                          bias_init=nnx.initializers.zeros_init(), rngs=rngs)
               for n_in, n_out, scale in zip(sizes[:-1], sizes[1:], scales)]
-    act = ACTIVATIONS[args.activation]
-    return nnx.Sequential(*[f for layer in layers for f in (layer, act)][:-1])
+    return nnx.Sequential(*[f for layer in layers for f in (layer, activation)][:-1])
 
 
 class VariationalBottleneck(KeyCarryModule):
@@ -254,14 +253,14 @@ class ActorCritic(StatefulModule):
 
     def __init__(self, obs_size: int, action_head: int, sampler: StatefulModule, args: Args,
                  rngs: nnx.Rngs):
-        h = args.hidden_size
-        self.actor_torso = mlp([obs_size, h, h], math.sqrt(2), args, rngs)
+        h, act = args.hidden_size, ACTIVATIONS[args.activation]
+        self.actor_torso = mlp([obs_size, h, h], math.sqrt(2), act, rngs)
         self.bottleneck = (VariationalBottleneck(h, args.latent_size, args.kl_coef, rngs)
                            if args.latent_size else None)
-        self.actor_head = mlp([args.latent_size or h, action_head], 0.01, args, rngs)
+        self.actor_head = mlp([args.latent_size or h, action_head], 0.01, act, rngs)
         self.sampler = sampler
-        self.critic = mlp([obs_size, h, h, 1], 1.0, args, rngs)
-        self.activation = ACTIVATIONS[args.activation]
+        self.critic = mlp([obs_size, h, h, 1], 1.0, act, rngs)
+        self.activation = act
         self.stateful = ("bottleneck", "sampler") if args.latent_size else ("sampler",)
 
     def __call__(self, carry, obs, rollout_extras=None):

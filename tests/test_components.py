@@ -111,8 +111,7 @@ NUMPY_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
 @pytest.mark.parametrize("activation, other", [("tanh", "relu"), ("relu", "tanh")])
 def test_activation_between_hidden_layers(script, activation, other):
     """--activation is the nonlinearity of every hidden layer: an mlp against numpy."""
-    args = dataclasses.replace(script.Args(), activation=activation)
-    net = script.mlp([3, 8, 8, 2], 1.0, args, nnx.Rngs(0))
+    net = script.mlp([3, 8, 8, 2], 1.0, script.ACTIVATIONS[activation], nnx.Rngs(0))
     x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
 
     def forward(f):
