@@ -3,9 +3,10 @@
     python benchmarks/record.py [--repeats N] [--name NAME] OUT.json SCRIPT [FLAGS...]
 
 SCRIPT is ppo_nnx or ppo_nnx_vae_lstm (FLAGS: the script's own command-line flags; the script's
-`run` compiles and times it), rejax (rejax 0.1.3's PPO on gymnax's CartPole-v1) or floor
-(CartPole-v1 stepped with random actions: the env's own cost), which take the flags of ours that
-apply to them. learning.sh and speed.sh list the runs; report.py makes tables and plots of them.
+`run` compiles and times it), rejax (rejax 0.1.3's PPO, given the flags of ppo_nnx.py that it has:
+the same settings, network and seeds, with ppo_nnx.py's defaults for the rest) or floor
+(CartPole-v1 stepped with random actions: the env's own cost; --num-envs N, --total-timesteps N).
+learning.py and speed.sh list the runs; report.py makes tables and plots of them.
 """
 
 import argparse
@@ -29,12 +30,11 @@ from common import machine, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("ppo_nnx", "ppo_nnx_vae_lstm")
-# The flags rejax and the floor take, and their defaults: CleanRL's CartPole settings.
-OTHERS = {
-    "rejax": dict(num_envs=4, num_steps=128, update_epochs=4, num_minibatches=4,
-                  total_timesteps=500_000),
-    "floor": dict(num_envs=4, total_timesteps=500_000),
-}
+# The flags of ppo_nnx.py that rejax's PPO has too; the floor's, with their defaults.
+REJAX = ("env_id", "total_timesteps", "learning_rate", "num_envs", "num_steps", "anneal_lr",
+         "gamma", "gae_lambda", "num_minibatches", "update_epochs", "clip_coef", "ent_coef",
+         "vf_coef", "max_grad_norm", "num_seeds", "seed", "hidden_size", "activation")
+FLOOR = dict(num_envs=4, total_timesteps=500_000)
 
 
 def fail(message: str):
@@ -79,16 +79,26 @@ def parse_ours(name: str, flags: list):
         fail(str(error))
 
 
-def parse_others(name: str, flags: list) -> dict:
-    settings = dict(OTHERS[name])
+def parse_rejax(flags: list):
+    """ppo_nnx.py's Args from flags that rejax's PPO has too."""
+    allowed = [f"--{name.replace('_', '-')}" for name in REJAX]
+    for flag in flags:
+        name = flag.split("=")[0]
+        if flag.startswith("--") and name not in allowed + ["--no-anneal-lr"]:
+            fail(f"{name} does not apply to rejax; allowed: {', '.join(allowed)}")
+    return parse_ours("ppo_nnx", flags)
+
+
+def parse_floor(flags: list) -> dict:
+    settings = dict(FLOOR)
     tokens = [t for f in flags for t in (f.split("=", 1) if f.startswith("--") else [f])]
     allowed = ", ".join(f"--{k.replace('_', '-')} N" for k in settings)
     for flag, value in zip(tokens[::2], tokens[1::2] + [None]):
         key = flag[2:].replace("-", "_") if flag.startswith("--") else None
         if key not in settings:
-            fail(f"unknown flag {flag} for {name}; allowed: {allowed}")
+            fail(f"unknown flag {flag} for floor; allowed: {allowed}")
         if value is None or not value.isdigit() or int(value) <= 0:
-            fail(f"{flag} for {name} takes a positive integer, got {value or 'nothing'}")
+            fail(f"{flag} for floor takes a positive integer, got {value or 'nothing'}")
         settings[key] = int(value)
     return settings
 
@@ -122,7 +132,9 @@ def evaluation(script, args, state) -> dict:
 
 
 class Gymnax1To5Tuple:
-    """gymnax 1.0's env with the old 5-value `step` that rejax 0.1.3 unpacks.
+    """gymnax 1.0's env with the old 5-value `step` that rejax 0.1.3 unpacks, and the training
+    return our scripts log: its state also holds the episode's return so far, and the returns
+    summed and the count of the episodes it ended.
 
     The same environment code as ours: terminated | truncated becomes `done`, auto-reset stays.
     """
@@ -130,10 +142,19 @@ class Gymnax1To5Tuple:
     def __init__(self, env):
         self._env = env
 
+    def reset(self, key, params=None):
+        import jax.numpy as jnp
+
+        obs, state = self._env.reset(key, params)
+        return obs, (state, jnp.zeros(()), jnp.zeros(()), jnp.zeros((), int))
+
     def step(self, key, state, action, params=None):
+        state, so_far, summed, ended = state
         obs, state, reward, terminated, truncated, info = self._env.step(key, state, action,
                                                                          params)
-        return obs, state, reward, terminated | truncated, info
+        done, so_far = terminated | truncated, so_far + reward
+        state = (state, so_far * ~done, summed + so_far * done, ended + done)
+        return obs, state, reward, done, info
 
     def __getattr__(self, name):  # the rest as the env's (not dunders: copy probes them)
         if name.startswith("__") or name == "_env":
@@ -141,28 +162,59 @@ class Gymnax1To5Tuple:
         return getattr(self._env, name)
 
 
-def build_rejax(settings: dict):
-    """(compiled train, its argument, env steps per call) for rejax's PPO, evaluation off."""
+def build_rejax(args):
+    """(compiled train of args.num_seeds seeds, its argument, the returns summed and the episodes
+    ended by each iteration, [seed, iteration] each)."""
     import gymnax
     import jax
     import jax.numpy as jnp
     from rejax import PPO
 
-    env, env_params = gymnax.make("CartPole-v1")
-    steps = settings["total_timesteps"]
+    env, env_params = gymnax.make(args.env_id)
+    updates_per_iteration = args.update_epochs * args.num_minibatches
+
+    def learning_rate(count):  # ours: annealed linearly per iteration
+        left = 1.0 - (count // updates_per_iteration) / args.num_iterations
+        return args.learning_rate * (left if args.anneal_lr else 1.0)
+
     algo = PPO.create(
-        env=Gymnax1To5Tuple(env), env_params=env_params, num_envs=settings["num_envs"],
-        num_steps=settings["num_steps"], num_epochs=settings["update_epochs"],
-        num_minibatches=settings["num_minibatches"], total_timesteps=steps,
-        learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, clip_eps=0.2, ent_coef=0.01,
-        vf_coef=0.5, max_grad_norm=0.5,
-        agent_kwargs={"activation": "tanh", "hidden_layer_sizes": (64, 64)},
-        eval_freq=steps, skip_initial_evaluation=True)  # one eval block, made a no-op below
-    algo = algo.replace(eval_callback=lambda algo, train_state, key: jnp.zeros(()))
-    key = jax.random.PRNGKey(0)
-    compiled = jax.jit(algo.train).lower(key).compile()
-    batch = settings["num_envs"] * settings["num_steps"]
-    return compiled, key, -(-steps // batch) * batch
+        env=Gymnax1To5Tuple(env), env_params=env_params, num_envs=args.num_envs,
+        num_steps=args.num_steps, num_epochs=args.update_epochs,
+        num_minibatches=args.num_minibatches, total_timesteps=args.num_iterations * args.batch_size,
+        learning_rate=learning_rate, gamma=args.gamma, gae_lambda=args.gae_lambda,
+        clip_eps=args.clip_coef, ent_coef=args.ent_coef, vf_coef=args.vf_coef,
+        max_grad_norm=args.max_grad_norm, normalize_observations=args.norm_obs,
+        normalize_rewards=args.norm_reward,
+        agent_kwargs={"activation": args.activation,
+                      "hidden_layer_sizes": (args.hidden_size, args.hidden_size)},
+        eval_freq=args.batch_size, skip_initial_evaluation=True)  # a "callback" per iteration:
+    algo = algo.replace(eval_callback=lambda algo, ts, key: (  # the training returns so far
+        ts.env_state[2].sum(), ts.env_state[3].sum()))
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(args.seeds))
+    return jax.jit(jax.vmap(lambda key: algo.train(key)[1])).lower(keys).compile(), keys
+
+
+def record_rejax(script, args, repeats: int) -> dict:
+    """As record_ours, from rejax's PPO: curves of the training return, no evaluation."""
+    import jax
+
+    start = time.perf_counter()
+    compiled, keys = build_rejax(args)
+    compile_s, train_s = time.perf_counter() - start, []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        summed, ended = jax.block_until_ready(compiled(keys))
+        train_s.append(time.perf_counter() - start)
+    summed, ended = (np.diff(np.asarray(x, float), prepend=0, axis=1) for x in (summed, ended))
+    with np.errstate(invalid="ignore"):  # NaN: no episode ended in that iteration, as ours
+        returns = summed / ended
+    final = script.final_return({"charts/episodic_return": returns})
+    return dict(
+        args=dataclasses.asdict(args), env_steps=args.num_iterations * args.batch_size
+        * args.num_seeds, compile_s=compile_s, train_s=train_s, seeds=list(args.seeds),
+        global_step=(np.arange(1, args.num_iterations + 1) * args.batch_size).tolist(),
+        final=final.tolist(), mean=float(final.mean()), std=float(final.std()),
+        episodic_return=[[float(str(v)) for v in seed] for seed in returns.astype(np.float32)])
 
 
 def build_floor(settings: dict):
@@ -193,11 +245,11 @@ def build_floor(settings: dict):
     return jax.jit(run).lower(key).compile(), key, length * num_envs
 
 
-def record_other(name: str, settings: dict, repeats: int) -> dict:
+def record_floor(settings: dict, repeats: int) -> dict:
     import jax
 
     start = time.perf_counter()
-    compiled, argument, steps = (build_rejax if name == "rejax" else build_floor)(settings)
+    compiled, argument, steps = build_floor(settings)
     compile_s, train_s = time.perf_counter() - start, []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -224,20 +276,20 @@ def main():
     parser.add_argument("flags", nargs=argparse.REMAINDER, metavar="FLAGS",
                         help="the script's flags, e.g. --env-id Acrobot-v1 --num-seeds 8")
     options = parser.parse_args()
-    scripts = OURS + tuple(OTHERS)
+    scripts = OURS + ("rejax", "floor")
     if options.script not in scripts:
         fail(f"unknown SCRIPT {options.script!r}; choose one of {', '.join(scripts)}")
     if options.repeats < 1:
         fail(f"--repeats must be at least 1, got {options.repeats}")
 
+    command = shlex.join(["python", "benchmarks/record.py", *sys.argv[1:]])
     if options.script in OURS:
         command = shlex.join(["python", f"{options.script}.py", *options.flags])
-        script, args = parse_ours(options.script, options.flags)
-        result = record_ours(script, args, options.repeats)
+        result = record_ours(*parse_ours(options.script, options.flags), options.repeats)
+    elif options.script == "rejax":
+        result = record_rejax(*parse_rejax(options.flags), options.repeats)
     else:
-        command = shlex.join(["python", "benchmarks/record.py", *sys.argv[1:]])
-        settings = parse_others(options.script, options.flags)
-        result = record_other(options.script, settings, options.repeats)
+        result = record_floor(parse_floor(options.flags), options.repeats)
     name = options.name or command
     record = dict(
         name=name, command=command,

@@ -2,9 +2,10 @@
 
     python benchmarks/report.py [--results DIR]       # DIR: benchmarks/results by default
 
-Reads DIR/learning/*.json (one learning run each) and DIR/speed/<config>/*.json (one round of a
-speed configuration each), and writes in DIR, each file whole and from those files alone:
-<env>.csv and <env>.png per env, learning.png, learning.md and speed.md.
+Reads DIR/learning/*.json and DIR/side_by_side/*.json (one learning run each) and
+DIR/speed/<config>/*.json (one round of a speed configuration each), and writes in DIR, each file
+whole and from those files alone: <env>.csv and <env>.png per env, learning.png, learning.md,
+side_by_side.md and .png, and speed.md.
 """
 
 import argparse
@@ -21,7 +22,7 @@ from common import describe
 
 HERE = Path(__file__).resolve().parent
 
-# The learning runs (learning.sh) in table order; "<script> <env id>[ masked]". Others go last.
+# The learning runs in table order (learning.py's); "<script> <env id>[ masked]". Others go last.
 RUNS = [
     "ppo_nnx CartPole-v1", "ppo_nnx Acrobot-v1", "ppo_nnx CartPole-v1 normalized",
     "ppo_nnx Acrobot-v1 normalized", "ppo_nnx Pendulum-v1",
@@ -32,35 +33,54 @@ RUNS = [
     "ppo_nnx_vae_lstm Pendulum-v1 masked",
 ]
 
-# Final mean return over seeds that a run should reach (the issue's targets).
+# The mean over seeds that a run's eval return (its final return if it has none) should reach.
 TARGETS = {
     "ppo_nnx CartPole-v1": 490,
     "ppo_nnx Acrobot-v1": -85,
-    "ppo_nnx Pendulum-v1": -200,
-    "ppo_nnx Breakout-MinAtar": 28,
-    "ppo_nnx SpaceInvaders-MinAtar": 131,
+    "ppo_nnx Pendulum-v1": -170,
+    "ppo_nnx MountainCarContinuous-v0": 90,
+    "ppo_nnx Breakout-MinAtar": 40,
+    "ppo_nnx SpaceInvaders-MinAtar": 150,
+    "ppo_nnx_vae_lstm CartPole-v1 masked": 475,
 }
 
-# Published figures by env (masked: "<env id> masked"), and where each comes from.
+# Published figures by env (masked: "<env id> masked"), each with its source and budget: the
+# training returns of a stochastic policy (to read beside our final return), and evaluations of
+# a trained policy (beside our eval return).
+TRAINING, EVALUATION = "training", "evaluation"
 REFERENCES = {
-    "CartPole-v1": ["CleanRL 490.04 ± 6.12", "gymnax 500", "PureJaxRL about 500"],
-    "Acrobot-v1": ["CleanRL -86.36 ± 1.32", "gymnax -80"],
-    "Pendulum-v1": ["gymnax -130"],
-    "MountainCarContinuous-v0": ["gymnax 92, an evolution-strategies agent, not PPO",
-                                 "gymnax-blines PPO near 0"],
-    "Breakout-MinAtar": ["gymnax 28"],
-    "SpaceInvaders-MinAtar": ["gymnax 131"],
-    "CartPole-v1 masked": ["SB3 RL Zoo 500 ± 0"],
+    "CartPole-v1": {TRAINING: ["CleanRL 490.04 ± 6.12 (500k)", "PureJaxRL about 500 (500k)"],
+                    EVALUATION: ["gymnax 500 (budget not stated)"]},
+    "Acrobot-v1": {TRAINING: ["CleanRL -86.36 ± 1.32 (500k)"],
+                   EVALUATION: ["gymnax -80 (budget not stated)"]},
+    "Pendulum-v1": {EVALUATION: ["gymnax -130 (budget not stated; blines' PPO config: 1M)"]},
+    "MountainCarContinuous-v0": {
+        TRAINING: ["gymnax-blines PPO near 0 (1M)"],
+        EVALUATION: ["gymnax 92, an evolution-strategies result, not PPO (budget not stated)"]},
+    "Breakout-MinAtar": {
+        TRAINING: ["PureJaxRL about 40 (its README's plot, by seconds: budget not stated)"],
+        EVALUATION: ["gymnax 28 (budget not stated; blines' PPO config: 10M)",
+                     "gymnax-blines 22.9 at lr 5e-4, 43.4 at lr 1e-3 (9.9M)"]},
+    "SpaceInvaders-MinAtar": {
+        TRAINING: ["PureJaxRL about 170 (10M)"],
+        EVALUATION: ["gymnax 131 (budget not stated; blines' PPO config: 10M)"]},
+    "CartPole-v1 masked": {EVALUATION: ["SB3 RL Zoo 500 ± 0 (100k)"]},
 }
 SOURCES = {
-    "CleanRL": "CleanRL's docs for ppo.py (500k steps; Acrobot likewise)",
-    "gymnax": "the gymnax README's table of its checkpoints, PPO but for MountainCarContinuous "
-              "(evaluation returns; budgets not stated)",
-    "gymnax-blines": "the PPO logs of gymnax-blines (agents/MountainCarContinuous-v0), which end "
-                     "near 0, as read for issue 11",
-    "PureJaxRL": "the PureJaxRL README's CartPole plot (500k steps)",
-    "SB3 RL Zoo": "SB3 RecurrentPPO on CartPoleNoVel-v1 (velocities removed), model card "
-                  "huggingface.co/sb3/ppo_lstm-CartPoleNoVel-v1",
+    "CleanRL": "CleanRL's docs for ppo.py, the returns of its training episodes (budget: its "
+               "default, 500k steps, which its benchmark script keeps)",
+    "PureJaxRL": "PureJaxRL's README (a CartPole plot by steps, a Breakout-MinAtar one by "
+                 "seconds) and its examples/brax_minatar.ipynb (SpaceInvaders-MinAtar, 10M steps, "
+                 "our MinAtar settings), training returns (its LogWrapper's)",
+    "gymnax": "the gymnax README's table of its checkpoints, made with gymnax-blines and "
+              "evaluated there on 164 episodes of the stochastic policy; the README states no "
+              "budget, the blines config for each env does",
+    "gymnax-blines": "the PPO logs of gymnax-blines (evaluation returns, as gymnax's), "
+                     "MountainCarContinuous-v0 as read for issue 11, Breakout-MinAtar as read for "
+                     "issue 14 (2x256 ReLU, gamma 0.999)",
+    "SB3 RL Zoo": "SB3 RecurrentPPO on CartPoleNoVel-v1 (velocities removed), RL Zoo's "
+                  "benchmark.md and model card huggingface.co/sb3/ppo_lstm-CartPoleNoVel-v1: 10 "
+                  "deterministic episodes, 100k steps (LSTM 64, 20 epochs)",
 }
 
 # The speed configurations (speed.sh) in table order, and the ratios read from them.
@@ -153,7 +173,7 @@ def smooth(returns: np.ndarray) -> np.ndarray:
     return out
 
 
-def plot(axis, env: str, runs: dict) -> None:
+def plot(axis, env: str, runs: dict, targets: bool = True) -> None:
     for name, run in runs.items():
         steps, returns = curves(run)
         returns = returns[~np.isnan(returns).all(1)]  # a seed that never ended an episode
@@ -164,7 +184,7 @@ def plot(axis, env: str, runs: dict) -> None:
         line, = axis.plot(steps, mean, label=f"{name.replace(f' {env}', '')} "
                                              f"({returns.shape[0]} seeds)")
         axis.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-        if name in TARGETS:
+        if targets and name in TARGETS:
             axis.axhline(TARGETS[name], color=line.get_color(), linestyle=":", linewidth=1)
     axis.set(title=env, xlabel="env steps per seed", ylabel="episodic return (band: ± 1 std)")
     axis.legend(fontsize=7)
@@ -205,30 +225,33 @@ def learning_markdown(runs: dict) -> str:
         "Final return: the stochastic policy's mean episodic return during training, over the "
         "last 5% of iterations. Eval return: the trained policy's, deterministic (`--eval-episodes "
         "100 --eval-deterministic`), the mean of its 100 episodes. Both per seed; the table gives "
-        "their mean ± std over seeds. Wall time: compile + train of the whole program.",
+        "their mean ± std over seeds. A target is met by the eval return (the final return where "
+        "a row has no eval). Wall time: compile + train of the whole program. Published figures: "
+        "source and budget in env steps; training returns and evaluations apart.",
         "",
         "| run | env steps per seed | final return | eval return | target | met "
-        "| published figures | wall time (s) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| published, training | published, evaluation | wall time (s) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, run in runs.items():
         masked = " masked" if run["args"].get("mask_velocity") else ""
-        references = "; ".join(REFERENCES.get(env_of(run) + masked, [])) or "none"
-        target, mean = TARGETS.get(name), run["mean"]
-        met = "" if target is None else ("yes" if mean is not None and mean >= target
+        references = REFERENCES.get(env_of(run) + masked, {})
+        target = TARGETS.get(name)
+        judged = run.get("eval_mean", run["mean"])
+        met = "" if target is None else ("yes" if judged is not None and judged >= target
                                          else "**no**")
-        final = "no episode ended" if mean is None else f"{mean:.1f} ± {run['std']:.1f}"
+        final = ("no episode ended" if run["mean"] is None
+                 else f"{run['mean']:.1f} ± {run['std']:.1f}")
         evaluated = (f"{run['eval_mean']:.1f} ± {run['eval_std']:.1f}" if "eval_mean" in run
                      else "not run")
         label = name if min(seeds) == max(seeds) else f"{name} ({len(run['seeds'])} seeds)"
         lines.append(
             f"| {label} | {run['global_step'][-1]:,} | {final} | {evaluated} "
-            f"| {'' if target is None else f'≥ {target}'} | {met} | {references} "
+            f"| {'' if target is None else f'≥ {target}'} | {met} "
+            f"| {'; '.join(references.get(TRAINING, [])) or 'none'} "
+            f"| {'; '.join(references.get(EVALUATION, [])) or 'none'} "
             f"| {run['compile_s']:.0f} + {statistics.median(run['train_s']):.0f} |")
-    lines += ["", "Sources: " + "; ".join(f"{k}: {v}" for k, v in SOURCES.items()) + ". "
-              "CleanRL's and PureJaxRL's figures are training returns of the stochastic policy, "
-              "to compare with our final return; gymnax's and SB3's evaluate a trained model, to "
-              "compare with our eval return."]
+    lines += ["", "Sources: " + "; ".join(f"{k}: {v}" for k, v in SOURCES.items()) + "."]
     lines += ["", "Each row, reproduced:", "", "```"] + [r["command"] for r in runs.values()]
     return "\n".join(lines + ["```", ""])
 
@@ -255,6 +278,51 @@ def report_learning(folder: Path) -> list:
         print("no plots: matplotlib is not installed (pip install -r benchmarks/requirements.txt)")
     (folder / "learning.md").write_text(learning_markdown(runs))
     return written + ["learning.md"]
+
+
+def report_side_by_side(folder: Path) -> list:
+    """side_by_side.md and .png: ours and rejax's PPO on the same flags, a panel per env."""
+    runs = {name: found[-1] for name, found in
+            by_name((folder / "side_by_side").glob("*.json"), []).items()}
+    if not runs:
+        return []
+    envs = {}
+    for name, run in runs.items():
+        envs.setdefault(env_of(run), {})[name] = run
+    lines = [
+        "# Side by side with rejax's PPO",
+        "",
+        f"On {stacks({n: [r] for n, r in runs.items()})}. Both given the same flags (so the same "
+        "settings, 64x64 network, budget and seeds), 8 seeds in one program each. Final return: "
+        "the stochastic policy's mean episodic return during training over the last 5% of "
+        "iterations, per seed; mean ± std and median over seeds. rejax's is counted by the "
+        "adapter in record.py, as our scripts count theirs.",
+        "",
+        "| env | run | env steps per seed | final return | median | per seed |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for env, env_runs in envs.items():
+        for name, run in env_runs.items():
+            lines.append(f"| {env} | {name.split()[0]} | {run['global_step'][-1]:,} "
+                         f"| {run['mean']:.1f} ± {run['std']:.1f} "
+                         f"| {statistics.median(run['final']):.1f} "
+                         f"| {', '.join(f'{v:.1f}' for v in run['final'])} |")
+    lines += ["", "Each row, reproduced:", "", "```"] + [r["command"] for r in runs.values()]
+    (folder / "side_by_side.md").write_text("\n".join(lines + ["```", ""]))
+    if not importlib.util.find_spec("matplotlib"):
+        return ["side_by_side.md"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(envs), figsize=(6 * len(envs), 4), squeeze=False)
+    for axis, (env, env_runs) in zip(axes.flat, envs.items()):
+        plot(axis, env, env_runs, targets=False)
+    figure.tight_layout()
+    figure.savefig(folder / "side_by_side.png", dpi=90)
+    plt.close(figure)
+    return ["side_by_side.md", "side_by_side.png"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,11 +373,14 @@ def report_speed(folder: Path) -> list:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=HERE / "results",
-                        help="the folder with learning/ and speed/ (default: %(default)s)")
+                        help="the folder with learning/, side_by_side/ and speed/ "
+                             "(default: %(default)s)")
     folder = parser.parse_args().results
-    written = report_learning(folder) + report_speed(folder)
+    written = (report_learning(folder) + report_side_by_side(folder)
+               + report_speed(folder))
     if not written:
-        sys.exit(f"report.py: no result files in {folder}/learning or {folder}/speed/*")
+        sys.exit(f"report.py: no result files in {folder}/learning, side_by_side or "
+                 "speed/*")
     print(f"wrote in {folder}: {', '.join(written)}")
 
 

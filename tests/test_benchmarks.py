@@ -1,6 +1,6 @@
 """benchmarks/record.py and report.py on tiny runs: a file per run, tables and plots from them.
 
-The figures themselves are measured outside the tests (benchmarks/learning.sh and speed.sh).
+The figures themselves are measured outside the tests (benchmarks/learning.py and speed.sh).
 """
 
 import importlib.metadata
@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD, REPORT = ROOT / "benchmarks" / "record.py", ROOT / "benchmarks" / "report.py"
+LEARNING = ROOT / "benchmarks" / "learning.py"
 # 2 seeds x 2 iterations of 4 envs x 128 steps: one compile of a few seconds
 TINY = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "128", "--num-seeds", "2"]
 NAME = "ppo_nnx CartPole-v1"
@@ -30,13 +31,15 @@ def python(script: Path, *argv):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """A results folder laid out as learning.sh and speed.sh make it, and report.py run on it."""
+    """A results folder laid out as learning.py and speed.sh make it, and report.py run on it."""
     folder = tmp_path_factory.mktemp("results")
     for argv in (["--name", NAME, folder / "learning" / "run.json", "ppo_nnx", *TINY],
                  ["--repeats", "2", "--name", "floor", folder / "speed" / "floor" / "round1.json",
                   "floor", "--num-envs", "4", "--total-timesteps", "1024"]):
         done = python(RECORD, *argv)
         assert done.returncode == 0, done.stderr
+    (folder / "side_by_side").mkdir()  # the same run, as a side-by-side one
+    shutil.copy(folder / "learning" / "run.json", folder / "side_by_side")
     done = python(REPORT, "--results", folder)
     assert done.returncode == 0, done.stderr
     return folder
@@ -91,9 +94,12 @@ def test_report_writes_curves_and_tables(results):
     assert lines == ["run,global_step,seed_0,seed_1"] + csv_lines(run)
     assert not (results / "Pendulum-v1.csv").exists()  # no run of that env
     assert (results / "learning.md").stat().st_size > 0 and (results / "speed.md").stat().st_size
+    row = f"| CartPole-v1 | ppo_nnx | 1,024 | {run['mean']:.1f} ± {run['std']:.1f} |"
+    assert row in (results / "side_by_side.md").read_text()
     if importlib.util.find_spec("matplotlib"):  # a benchmarks requirement, not a main one
         assert (results / "CartPole-v1.png").stat().st_size > 0
         assert (results / "learning.png").stat().st_size > 0
+        assert (results / "side_by_side.png").stat().st_size > 0
 
 
 def test_report_rewrites_from_the_files_alone(results, tmp_path):
@@ -116,9 +122,54 @@ def test_report_rewrites_from_the_files_alone(results, tmp_path):
     (["nope"], "unknown SCRIPT 'nope'", "ppo_nnx_vae_lstm"),
     (["floor", "--num-steps", "8"], "unknown flag --num-steps for floor", "--num-envs"),
     (["ppo_nnx", "--no-such-flag", "1"], "unknown flag --no-such-flag for ppo_nnx", "--env-id"),
+    (["rejax", "--mask-velocity"], "--mask-velocity does not apply to rejax", "--activation"),
 ])
 def test_record_rejects_bad_input(tmp_path, argv, message, allowed):
     done = python(RECORD, tmp_path / "out.json", *argv)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert message in done.stderr and allowed in done.stderr, done.stderr
     assert not list(tmp_path.iterdir())  # wrote nothing
+
+
+def test_rejax_adapter_counts_the_training_return():
+    """The adapter's episodes ended and returns summed, against a plain loop over the env's steps
+    (rejax itself is a benchmarks requirement: the adapter needs gymnax only)."""
+    import gymnax
+    import jax
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from record import Gymnax1To5Tuple
+
+    env, params = gymnax.make("CartPole-v1")
+    adapter = Gymnax1To5Tuple(env)
+    step = jax.jit(adapter.step)
+    _, state = adapter.reset(jax.random.key(0), params)
+    so_far, returns = 0.0, []
+    for t in range(200):  # always pushing left: episodes of about 10 steps
+        _, state, reward, done, _ = step(jax.random.key(t + 1), state, 0, params)
+        so_far += float(reward)
+        if done:
+            returns, so_far = returns + [so_far], 0.0
+    assert int(state[3]) == len(returns) > 5
+    assert float(state[2]) == pytest.approx(sum(returns)) and float(state[1]) == so_far
+    # negative control: leaving out the reward of each episode's last step
+    assert float(state[2]) != pytest.approx(sum(returns) - len(returns))
+
+
+def test_learning_runs_parse_and_select():
+    """Every run of learning.py has flags its script takes; --only picks by name; --list runs
+    nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import learning
+    import record
+
+    for name, folder, script, flags in learning.RUNS:
+        _, args = (record.parse_rejax(flags) if script == "rejax"
+                   else record.parse_ours(script, flags))
+        assert name.split()[1] == args.env_id and folder in ("learning", "side_by_side"), name
+    done = python(LEARNING, "--only", "Acrobot", "--list")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all("--env-id Acrobot-v1" in line for line in lines), lines
+    done = python(LEARNING, "--only", "Nope", "--list")
+    assert done.returncode == 1 and "no run's name contains Nope" in done.stderr, done.stderr
