@@ -127,6 +127,23 @@ def test_activation_between_hidden_layers(script, activation, other):
     assert not np.allclose(net(jnp.asarray(x)), forward(NUMPY_ACTIVATIONS[other]), atol=1e-3)
 
 
+@pytest.mark.parametrize("activation, bias, varies", [
+    ("relu", 100.0, True), ("relu", -100.0, False),
+    ("tanh", 100.0, False)])  # negative control: tanh saturates where relu passes
+def test_activation_after_the_first_block(script, activation, bias, varies):
+    """The actor's first block (ppo_nnx.py's torso, the recurrent script's encoder) ends in
+    --activation too: relu passes outputs pushed far positive (the policy still depends on the
+    observation) and cuts those pushed far negative to zero (it no longer does)."""
+    args = script.check_args(script.Args(activation=activation, latent_size=0))
+    model = script.build_model(args, *script.make_env(args), nnx.Rngs(0))
+    first = model.actor_torso if hasattr(model, "actor_torso") else model.encoder
+    last = [layer for layer in first.layers if isinstance(layer, nnx.Linear)][-1]
+    last.bias[...] = jnp.full_like(last.bias[...], bias)
+    obs = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4)), jnp.float32)
+    entropy = np.asarray(model(model.initialize_state(6), obs).output["entropy"])
+    assert (len(np.unique(entropy)) > 1) == varies, entropy  # saturated or cut: identical bits
+
+
 def test_gaussian_sampler_moments(script):
     sampler = script.GaussianSampler(1, (-100.0,), (100.0,), nnx.Rngs(0))
     sampler.log_std[...] = jnp.array([math.log(0.7)])
