@@ -5,6 +5,7 @@ makes the tables and plots from all the files there, so a subset reruns just its
 
     python benchmarks/learning.py                        # all of it: about 3 h on a 2-core CPU
     python benchmarks/learning.py --only CartPole        # the runs whose name has any of these
+    python benchmarks/learning.py --only side_by_side/   # a run's name starts with its folder
     python benchmarks/learning.py --only Pendulum MinAtar --list   # which runs, not running them
 
 Run it from any folder with the Python that has the requirements (and benchmarks/requirements.txt).
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 EVAL = ["--eval-episodes", "100", "--eval-deterministic"]
 # After RL Zoo's PPO settings for Pendulum (4 envs x 1024 steps, 10 epochs, gamma 0.9).
 # Continuous actions: observations and rewards normalized by default (--norm-obs, --norm-reward).
@@ -74,23 +75,26 @@ RUNS = [
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="TEXT",
-                        help="just the runs whose name contains one of these")
+                        help="just the runs whose folder/name contains one of these")
     parser.add_argument("--list", action="store_true", help="list the runs, run nothing")
     options = parser.parse_args()
-    runs = [run for run in RUNS if not options.only or any(t in run[0] for t in options.only)]
+    names = [f"{folder}/{name}" for name, folder, *_ in RUNS]
+    runs = [run for run, name in zip(RUNS, names)
+            if not options.only or any(text in name for text in options.only)]
     if not runs:
-        sys.exit(f"learning.py: no run's name contains {' or '.join(options.only)}; the runs: "
-                 + ", ".join(run[0] for run in RUNS))
+        sys.exit(f"learning.py: no run's folder/name contains {' or '.join(options.only)}; the "
+                 f"runs: {', '.join(names)}")
     start = time.perf_counter()
     for name, folder, script, flags in runs:
-        out = HERE / "results" / folder / f"{name.replace(' ', '-')}.json"
-        command = [sys.executable, str(HERE / "record.py"), "--name", name, str(out), script,
-                   *flags, "--num-seeds", "8", *(EVAL if script != "rejax" else [])]
-        print(" ".join(command[1:]) if options.list else f"{name} ...", flush=True)
+        out = f"benchmarks/results/{folder}/{name.replace(' ', '-')}.json"
+        command = [sys.executable, "benchmarks/record.py", "--name", name, out, script, *flags,
+                   "--num-seeds", "8", *(EVAL if script != "rejax" else [])]
+        print(f"{folder}/{name}: " + (" ".join(command[1:]) if options.list else "..."),
+              flush=True)
         if not options.list:  # a hung run stops at the timeout
-            subprocess.run(command, check=True, timeout=3 * 3600)
+            subprocess.run(command, cwd=ROOT, check=True, timeout=3 * 3600)
     if not options.list:
-        subprocess.run([sys.executable, str(HERE / "report.py")], check=True)
+        subprocess.run([sys.executable, "benchmarks/report.py"], cwd=ROOT, check=True)
         print(f"learning.py: {len(runs)} runs in {(time.perf_counter() - start) / 60:.0f} min")
 
 

@@ -172,4 +172,8 @@ def test_learning_runs_parse_and_select():
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and all("--env-id Acrobot-v1" in line for line in lines), lines
     done = python(LEARNING, "--only", "Nope", "--list")
-    assert done.returncode == 1 and "no run's name contains Nope" in done.stderr, done.stderr
+    assert done.returncode == 1 and "no run's folder/name contains Nope" in done.stderr, done.stderr
+    done = python(LEARNING, "--only", "side_by_side/", "--list")
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == [
+        f"side_by_side/{script} {env}" for env in ("CartPole-v1", "Breakout-MinAtar")
+        for script in ("ppo_nnx", "rejax")], done.stdout
