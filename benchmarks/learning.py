@@ -12,6 +12,7 @@ Run it from any folder with the Python that has the requirements (and benchmarks
 """
 
 import argparse
+import shlex
 import subprocess
 import sys
 import time
@@ -89,8 +90,8 @@ def main():
         out = f"benchmarks/results/{folder}/{name.replace(' ', '-')}.json"
         command = [sys.executable, "benchmarks/record.py", "--name", name, out, script, *flags,
                    "--num-seeds", "8", *(EVAL if script != "rejax" else [])]
-        print(f"{folder}/{name}: " + (" ".join(command[1:]) if options.list else "..."),
-              flush=True)
+        print(f"{folder}/{name}: " + (shlex.join(["python", *command[1:]]) if options.list
+                                      else "..."), flush=True)
         if not options.list:  # a hung run stops at the timeout
             subprocess.run(command, cwd=ROOT, check=True, timeout=3 * 3600)
     if not options.list:

@@ -184,7 +184,7 @@ def build_rejax(args):
         learning_rate=learning_rate, gamma=args.gamma, gae_lambda=args.gae_lambda,
         clip_eps=args.clip_coef, ent_coef=args.ent_coef, vf_coef=args.vf_coef,
         max_grad_norm=args.max_grad_norm, normalize_observations=args.norm_obs,
-        normalize_rewards=args.norm_reward,
+        normalize_rewards=args.norm_reward, reward_normalization_discount=args.gamma,
         agent_kwargs={"activation": args.activation,
                       "hidden_layer_sizes": (args.hidden_size, args.hidden_size)},
         eval_freq=args.batch_size, skip_initial_evaluation=True)  # a "callback" per iteration:
@@ -192,6 +192,14 @@ def build_rejax(args):
         ts.env_state[2].sum(), ts.env_state[3].sum()))
     keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(args.seeds))
     return jax.jit(jax.vmap(lambda key: algo.train(key)[1])).lower(keys).compile(), keys
+
+
+def per_iteration(summed, ended) -> np.ndarray:
+    """[seed, iteration] mean return of the episodes that ended in each iteration, from the
+    adapter's running totals after each one (NaN where none ended, as in our scripts)."""
+    summed, ended = (np.diff(np.asarray(x, float), prepend=0, axis=1) for x in (summed, ended))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(ended > 0, summed / ended, np.nan)
 
 
 def record_rejax(script, args, repeats: int) -> dict:
@@ -205,9 +213,7 @@ def record_rejax(script, args, repeats: int) -> dict:
         start = time.perf_counter()
         summed, ended = jax.block_until_ready(compiled(keys))
         train_s.append(time.perf_counter() - start)
-    summed, ended = (np.diff(np.asarray(x, float), prepend=0, axis=1) for x in (summed, ended))
-    with np.errstate(invalid="ignore"):  # NaN: no episode ended in that iteration, as ours
-        returns = summed / ended
+    returns = per_iteration(summed, ended)
     final = script.final_return({"charts/episodic_return": returns})
     return dict(
         args=dataclasses.asdict(args), env_steps=args.num_iterations * args.batch_size

@@ -55,8 +55,8 @@ REFERENCES = {
                    EVALUATION: ["gymnax -80 (budget not stated)"]},
     "Pendulum-v1": {EVALUATION: ["gymnax -130 (budget not stated; blines' PPO config: 1M)"]},
     "MountainCarContinuous-v0": {
-        TRAINING: ["gymnax-blines PPO near 0 (1M)"],
-        EVALUATION: ["gymnax 92, an evolution-strategies result, not PPO (budget not stated)"]},
+        EVALUATION: ["gymnax 92, an evolution-strategies result, not PPO (budget not stated)",
+                     "gymnax-blines PPO near 0 (1M)"]},
     "Breakout-MinAtar": {
         TRAINING: ["PureJaxRL about 40 (its README's plot, by seconds: budget not stated)"],
         EVALUATION: ["gymnax 28 (budget not stated; blines' PPO config: 10M)",
@@ -303,10 +303,13 @@ def report_side_by_side(folder: Path) -> list:
     ]
     for env, env_runs in envs.items():
         for name, run in env_runs.items():
-            lines.append(f"| {env} | {name.split()[0]} | {run['global_step'][-1]:,} "
-                         f"| {run['mean']:.1f} ± {run['std']:.1f} "
-                         f"| {statistics.median(run['final']):.1f} "
-                         f"| {', '.join(f'{v:.1f}' for v in run['final'])} |")
+            ended = [v for v in run["final"] if v is not None]  # None: no episode ended
+            final = ("no episode ended" if run["mean"] is None
+                     else f"{run['mean']:.1f} ± {run['std']:.1f}")
+            median = f"{statistics.median(ended):.1f}" if ended else ""
+            seeds = ", ".join("-" if v is None else f"{v:.1f}" for v in run["final"])
+            lines.append(f"| {env} | {name.split()[0]} | {run['global_step'][-1]:,} | {final} "
+                         f"| {median} | {seeds} |")
     lines += ["", "Each row, reproduced:", "", "```"] + [r["command"] for r in runs.values()]
     (folder / "side_by_side.md").write_text("\n".join(lines + ["```", ""]))
     if not importlib.util.find_spec("matplotlib"):

@@ -14,6 +14,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,8 +133,9 @@ def test_record_rejects_bad_input(tmp_path, argv, message, allowed):
 
 
 def test_rejax_adapter_counts_the_training_return():
-    """The adapter's episodes ended and returns summed, against a plain loop over the env's steps
-    (rejax itself is a benchmarks requirement: the adapter needs gymnax only)."""
+    """The adapter's episodes ended and returns summed, against the plain gymnax env stepped with
+    the same keys; episodes end both ways, by termination and at a time limit (rejax itself is a
+    benchmarks requirement: the adapter needs gymnax only)."""
     import gymnax
     import jax
 
@@ -141,19 +143,38 @@ def test_rejax_adapter_counts_the_training_return():
     from record import Gymnax1To5Tuple
 
     env, params = gymnax.make("CartPole-v1")
+    params = params.replace(max_steps_in_episode=12)  # a time limit that balancing reaches
     adapter = Gymnax1To5Tuple(env)
-    step = jax.jit(adapter.step)
+    step, plain_step = jax.jit(adapter.step), jax.jit(env.step)
     _, state = adapter.reset(jax.random.key(0), params)
-    so_far, returns = 0.0, []
-    for t in range(200):  # always pushing left: episodes of about 10 steps
-        _, state, reward, done, _ = step(jax.random.key(t + 1), state, 0, params)
+    _, plain = env.reset(jax.random.key(0), params)
+    so_far, returns, kinds = 0.0, [], set()
+    for t in range(300):  # pushing left 6 steps in 7: some episodes fall, some run out of time
+        key, action = jax.random.key(t + 1), int(t % 7 == 6)
+        _, state, *_ = step(key, state, action, params)
+        _, plain, reward, terminated, truncated, _ = plain_step(key, plain, action, params)
         so_far += float(reward)
-        if done:
+        if terminated or truncated:
             returns, so_far = returns + [so_far], 0.0
-    assert int(state[3]) == len(returns) > 5
+            kinds.add("terminated" if terminated else "truncated")
+    assert kinds == {"terminated", "truncated"}, kinds
+    assert int(state[3]) == len(returns) > 10
     assert float(state[2]) == pytest.approx(sum(returns)) and float(state[1]) == so_far
     # negative control: leaving out the reward of each episode's last step
     assert float(state[2]) != pytest.approx(sum(returns) - len(returns))
+
+
+def test_rejax_training_return_per_iteration():
+    """From the running totals after each iteration to each iteration's mean return."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from record import per_iteration
+
+    summed = [[10.0, 10.0, 40.0], [0.0, 6.0, 6.0]]  # 2 seeds x 3 iterations, after each
+    ended = [[1, 1, 3], [0, 2, 2]]
+    np.testing.assert_array_equal(per_iteration(summed, ended),
+                                  [[10.0, np.nan, 15.0], [np.nan, 3.0, np.nan]])
+    # negative control: the totals themselves divided are not the per-iteration means
+    assert not np.allclose(np.divide(summed, np.maximum(ended, 1)), [[10, 0, 15], [0, 3, 0]])
 
 
 def test_learning_runs_parse_and_select():
