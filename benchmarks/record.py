@@ -162,9 +162,10 @@ class Gymnax1To5Tuple:
         return getattr(self._env, name)
 
 
-def build_rejax(args):
-    """(compiled train of args.num_seeds seeds, its argument, the returns summed and the episodes
-    ended by each iteration, [seed, iteration] each)."""
+def build_rejax(script, args):
+    """rejax's PPO for args.num_seeds seeds, vmapped and compiled, and its argument (the seeds'
+    keys). It returns the adapter's returns summed and episodes ended after each iteration,
+    [seed, iteration] each."""
     import gymnax
     import jax
     import jax.numpy as jnp
@@ -172,16 +173,14 @@ def build_rejax(args):
 
     env, env_params = gymnax.make(args.env_id)
     updates_per_iteration = args.update_epochs * args.num_minibatches
-
-    def learning_rate(count):  # ours: annealed linearly per iteration
-        left = 1.0 - (count // updates_per_iteration) / args.num_iterations
-        return args.learning_rate * (left if args.anneal_lr else 1.0)
+    of_iteration = script.make_optimizer(args)[1]  # ours: the learning rate of iteration i
 
     algo = PPO.create(
         env=Gymnax1To5Tuple(env), env_params=env_params, num_envs=args.num_envs,
         num_steps=args.num_steps, num_epochs=args.update_epochs,
         num_minibatches=args.num_minibatches, total_timesteps=args.num_iterations * args.batch_size,
-        learning_rate=learning_rate, gamma=args.gamma, gae_lambda=args.gae_lambda,
+        learning_rate=lambda count: of_iteration(count // updates_per_iteration),
+        gamma=args.gamma, gae_lambda=args.gae_lambda,
         clip_eps=args.clip_coef, ent_coef=args.ent_coef, vf_coef=args.vf_coef,
         max_grad_norm=args.max_grad_norm, normalize_observations=args.norm_obs,
         normalize_rewards=args.norm_reward, reward_normalization_discount=args.gamma,
@@ -204,15 +203,7 @@ def per_iteration(summed, ended) -> np.ndarray:
 
 def record_rejax(script, args, repeats: int) -> dict:
     """As record_ours, from rejax's PPO: curves of the training return, no evaluation."""
-    import jax
-
-    start = time.perf_counter()
-    compiled, keys = build_rejax(args)
-    compile_s, train_s = time.perf_counter() - start, []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        summed, ended = jax.block_until_ready(compiled(keys))
-        train_s.append(time.perf_counter() - start)
+    compile_s, train_s, (summed, ended) = timed(lambda: build_rejax(script, args), repeats)
     returns = per_iteration(summed, ended)
     final = script.final_return({"charts/episodic_return": returns})
     return dict(
@@ -248,19 +239,27 @@ def build_floor(settings: dict):
         return jax.lax.scan(step, (state, key), length=length)[1].sum()
 
     key = jax.random.key(0)
-    return jax.jit(run).lower(key).compile(), key, length * num_envs
+    return jax.jit(run).lower(key).compile(), key
 
 
-def record_floor(settings: dict, repeats: int) -> dict:
+def timed(build, repeats: int):
+    """(compile seconds, each call's seconds, the last call's output) of build() -> (compiled,
+    its argument)."""
     import jax
 
     start = time.perf_counter()
-    compiled, argument, steps = build_floor(settings)
+    compiled, argument = build()
     compile_s, train_s = time.perf_counter() - start, []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(compiled(argument))
+        output = jax.block_until_ready(compiled(argument))
         train_s.append(time.perf_counter() - start)
+    return compile_s, train_s, output
+
+
+def record_floor(settings: dict, repeats: int) -> dict:
+    compile_s, train_s, _ = timed(lambda: build_floor(settings), repeats)
+    steps = settings["total_timesteps"] // settings["num_envs"] * settings["num_envs"]
     return dict(args=settings, env_steps=steps, compile_s=compile_s, train_s=train_s)
 
 
