@@ -143,6 +143,14 @@ def env_of(run: dict) -> str:
     return run["args"]["env_id"]
 
 
+def by_env(runs: dict) -> dict:
+    """env id -> {name: run}, in the runs' order."""
+    envs = {}
+    for name, run in runs.items():
+        envs.setdefault(env_of(run), {})[name] = run
+    return envs
+
+
 def curves(run: dict):
     """(global_step [I], returns [seed, I]), NaN where no episode ended."""
     returns = [[np.nan if v is None else v for v in seed] for seed in run["episodic_return"]]
@@ -264,9 +272,7 @@ def report_learning(folder: Path) -> list:
     runs = {name: found[-1] for name, found in runs.items()}
     if not runs:
         return []
-    envs = {}
-    for name, run in runs.items():
-        envs.setdefault(env_of(run), {})[name] = run
+    envs = by_env(runs)
     written = []
     for env, env_runs in envs.items():
         write_csv(folder / f"{env}.csv", env_runs)
@@ -286,9 +292,7 @@ def report_side_by_side(folder: Path) -> list:
             by_name((folder / "side_by_side").glob("*.json"), []).items()}
     if not runs:
         return []
-    envs = {}
-    for name, run in runs.items():
-        envs.setdefault(env_of(run), {})[name] = run
+    envs = by_env(runs)
     lines = [
         "# Side by side with rejax's PPO",
         "",
