@@ -8,10 +8,16 @@ every draw comes from a per-env key in the network's carry, stored and sliced wi
 every sampled action is stored in `rollout_extras` and re-scored, never re-sampled.
 """
 
+import concurrent.futures
 import dataclasses
+import functools
+import glob
 import math
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from collections import namedtuple
 from typing import Any, Literal, NamedTuple, Optional
@@ -69,7 +75,10 @@ class Args:
     kl_coef: float = 1e-3  # weight of the bottleneck's KL to N(0, I) in the loss
     norm_obs: Optional[bool] = None  # normalize observations (None: if actions are continuous)
     norm_reward: Optional[bool] = None  # scale rewards by the return's std (None: as above)
-    save_model: bool = False  # whether to save each seed's model into `runs/{run_name}`
+    save_model: bool = False  # save each seed's model and the training state to `runs/{run_name}`
+    save_every: int = 0  # also save the training state every N iterations (0: when stopped only)
+    resume: Optional[str] = None  # continue the stopped run saved in this `runs/{run_name}`
+    chunk_iterations: int = 0  # iterations per compiled call; logs, saves, Ctrl-C between (0: ~1 s)
     eval_episodes: int = 0  # episodes per seed to evaluate the trained policy on (0: none)
     eval_deterministic: bool = False  # evaluate the most likely action (a bottleneck still samples)
     eval_checkpoint: Optional[str] = None  # evaluate this saved `runs/{run_name}`, no training
@@ -77,6 +86,7 @@ class Args:
     batch_size = property(lambda self: self.num_envs * self.num_steps)
     seeds = property(lambda self: range(self.seed, self.seed + self.num_seeds))
     num_iterations = property(lambda self: self.total_timesteps // self.batch_size)
+    chunk_size = property(lambda self: self.chunk_iterations or min(self.num_iterations, 1000))
     env_axis = property(lambda self: "envs" if self.shard_envs else ())  # to average over devices
     local_envs = property(lambda self: self.num_envs // (jax.device_count() if self.shard_envs
                                                          else 1))  # the envs of one device
@@ -89,7 +99,7 @@ def check_args(args: Args) -> Args:
                                      "update_epochs num_seeds hidden_size"),
             (">= 0", lambda v: v >= 0,  # NaN fails too
              "latent_size learning_rate clip_coef ent_coef vf_coef max_grad_norm kl_coef "
-             "eval_episodes"),
+             "eval_episodes save_every chunk_iterations"),
             ("in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda")]:
         for name in names.split():
             if not ok(getattr(args, name)):
@@ -98,7 +108,7 @@ def check_args(args: Args) -> Args:
     if args.activation not in ACTIVATIONS:
         raise ValueError(f"--activation must be one of {', '.join(ACTIVATIONS)}, got "
                          f"{args.activation!r}")
-    if not args.eval_checkpoint:  # a saved run, only evaluated, needs neither devices nor batches
+    if not (args.eval_checkpoint or args.resume):  # a saved run: its own flags are checked
         devices(args)
         if args.local_envs * args.num_steps % args.num_minibatches:
             raise ValueError(f"--num-minibatches {args.num_minibatches} must divide --num-envs x "
@@ -106,6 +116,20 @@ def check_args(args: Args) -> Args:
     if args.total_timesteps < args.batch_size:
         raise ValueError(f"--total-timesteps {args.total_timesteps} is below one batch "
                          f"(--num-envs * --num-steps = {args.batch_size})")
+    updates = args.num_iterations * args.update_epochs * args.num_minibatches
+    if updates >= 2**31:  # optax counts them in int32
+        raise ValueError(f"--total-timesteps {args.total_timesteps} makes {updates:,} gradient "
+                         f"steps, above the {2**31 - 1:,} that optax can count")
+    if not -(2**31) <= args.seed <= 2**31 - args.num_seeds:  # JAX seeds are int32
+        raise ValueError(f"--seed {args.seed} must be in [-2**31, 2**31 - --num-seeds]")
+    if args.norm_adv and args.batch_size // args.num_minibatches < 2:
+        raise ValueError(f"--num-minibatches {args.num_minibatches} leaves one sample per "
+                         "minibatch, whose normalized advantage is 0: use fewer, or --no-norm-adv")
+    if args.exp_name in ("", ".", "..") or os.path.basename(args.exp_name) != args.exp_name:
+        raise ValueError(f"--exp-name {args.exp_name!r} must be a plain name: it names a folder in "
+                         "runs/")
+    if args.resume and args.eval_checkpoint:
+        raise ValueError("--resume trains and --eval-checkpoint does not: give one of them")
     env, env_params = make_env(args)
     on = not isinstance(env.action_space(env_params), spaces.Discrete)
     return dataclasses.replace(args, **{k: on for k in ("norm_obs", "norm_reward")
@@ -519,91 +543,179 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
 
 
 # ====================================== Training loop ======================================
-def make_train(args: Args, report=None, report_every: int = 1):
-    """`train(key, seed_index=0) -> ((params, opt_state, runner), metrics [num_iterations])`, pure.
-    `report(seed_index, metrics)` runs on the host every `report_every` iterations and the last."""
+class TrainState(NamedTuple):  # one seed's training: all that a stopped run resumes from
+    params: Any
+    opt_state: Any
+    runner: Runner
+    iteration: jax.Array  # the iterations done
+    update_key: jax.Array  # split into every iteration's key at once: chunks draw what one does
+
+
+def make_chunk(args: Args):
+    """Pure functions of one seed: `init(key) -> TrainState`, and `chunk(state, n, size)`, which
+    runs n <= size iterations on from `state`: (state, metrics [size], NaN past row n)."""
     args = check_args(args)
     env, env_params = make_env(args)
     optimizer, learning_rate = make_optimizer(args)
 
-    def train(key, seed_index=0):
+    def init(key) -> TrainState:
         # Philox: the default Threefry is a rolled loop on CPU, costly in per-step draws
         key = jax.random.key(jax.random.bits(key, dtype=jnp.uint32), impl="philox2x32")
         init_key, reset_key, runner_key, update_key = jax.random.split(key, 4)
         model = build_model(args, env, env_params, nnx.Rngs(init_key))
         carry = jax.tree.map(lambda x: this_device(x, args), model.initialize_state(args.num_envs))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # rest: the nnx.Rngs
+        params = nnx.state(model, nnx.Param)
         obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
             this_device(jax.random.split(reset_key, args.num_envs), args), env_params)
         norm = init_norm(observe(obs, args), args)
         runner = Runner(env_state, observe(obs, args, norm), carry, jnp.zeros(args.local_envs),
                         jnp.zeros(args.local_envs, int), runner_key, norm)
+        return TrainState(params, optimizer.init(params), runner, jnp.array(0), update_key)
 
-        def iteration(state, xs):
-            (params, opt_state, runner), (i, update_key) = state, xs
-            runner, t = rollout(graphdef, params, rest, env, env_params, runner, args)
-            next_values = bootstrap_values(merge(graphdef, params, rest), t)
-            advantages, returns = compute_gae(t, next_values, args)
-            params, opt_state, metrics = update(graphdef, params, rest, optimizer, opt_state,
-                                                rollout_batch(t, advantages, returns), update_key,
-                                                args)
-            total = lambda x: jax.lax.psum(x.sum(), args.env_axis)  # over all devices' envs
-            variance = lambda x: moments(x.reshape(-1), args)[1]
-            episodes = total(t.terminated | t.truncated)
-            metrics.update({
-                "global_step": (i + 1) * args.batch_size,
-                "charts/episodic_return": total(t.episode_return) / episodes,  # NaN: none ended
-                "charts/episodic_length": total(t.episode_length) / episodes,
-                "charts/learning_rate": learning_rate(i),
-                "losses/explained_variance": jnp.where(  # NaN for constant returns, as CleanRL
-                    variance(returns) > 0,
-                    1.0 - variance(returns - t.output["value"]) / variance(returns), jnp.nan)})
-            if report is not None:  # from one device of each seed
-                first = jax.lax.axis_index("envs") == 0 if args.shard_envs else True
-                due = first & (((i + 1) % report_every == 0) | (i + 1 == args.num_iterations))
-                jax.lax.cond(due, lambda: jax.debug.callback(report, seed_index, metrics),
-                             lambda: None)
-            return (params, opt_state, runner), metrics
+    def iteration(graphdef, rest, state: TrainState):
+        params, opt_state, runner, i, _ = state
+        update_key = jax.random.split(state.update_key, args.num_iterations)[i]
+        runner, t = rollout(graphdef, params, rest, env, env_params, runner, args)
+        next_values = bootstrap_values(merge(graphdef, params, rest), t)
+        advantages, returns = compute_gae(t, next_values, args)
+        params, opt_state, metrics = update(graphdef, params, rest, optimizer, opt_state,
+                                            rollout_batch(t, advantages, returns), update_key, args)
+        total = lambda x: jax.lax.psum(x.sum(), args.env_axis)  # over all devices' envs
+        variance = lambda x: moments(x.reshape(-1), args)[1]
+        episodes = total(t.terminated | t.truncated)
+        metrics.update({
+            "charts/episodic_return": total(t.episode_return) / episodes,  # NaN: none ended
+            "charts/episodic_length": total(t.episode_length) / episodes,
+            "charts/learning_rate": learning_rate(i),
+            "losses/explained_variance": jnp.where(  # NaN for constant returns, as CleanRL
+                variance(returns) > 0,
+                1.0 - variance(returns - t.output["value"]) / variance(returns), jnp.nan)})
+        return TrainState(params, opt_state, runner, i + 1, state.update_key), metrics
 
-        update_keys = jax.random.split(update_key, args.num_iterations)
-        return jax.lax.scan(iteration, (params, optimizer.init(params), runner),
-                            (jnp.arange(args.num_iterations), update_keys))
+    def chunk(state: TrainState, n, size: int):
+        # the network's structure and its nnx.Rngs (read only by init); the Params are the state's
+        graphdef, _, rest = nnx.split(build_model(args, env, env_params, nnx.Rngs(0)), nnx.Param,
+                                      ...)
+        step = functools.partial(iteration, graphdef, rest)
+        rows = jax.tree.map(lambda x: jnp.full((size,) + x.shape, jnp.nan, x.dtype),
+                            jax.eval_shape(step, state)[1])
+
+        def body(j, carry):
+            state, metrics = step(carry[0])
+            return state, jax.tree.map(lambda row, x: row.at[j].set(x), carry[1], metrics)
+
+        return jax.lax.fori_loop(0, n, body, (state, rows))
+
+    return init, chunk
+
+
+def make_train(args: Args):
+    """`train(key) -> (TrainState, metrics [num_iterations])`: the whole run as one pure function,
+    for `jax.vmap` over keys; `main` runs the same iterations in chunks."""
+    init, chunk = make_chunk(args)
+
+    def train(key):
+        return chunk(init(key), args.num_iterations, args.num_iterations)
 
     return train
 
 
-def run(args: Args, report=None, report_every: int = 1, repeats: int = 1):
-    """Compile the training of seeds args.seed .. args.seed + num_seeds - 1 (seed i of N trains as
-    `--seed i` alone), then call it `repeats` times: (final state, metrics [seed, iteration],
-    compile seconds, seconds of each call). `report` gets the seconds since the call began too."""
-    clock = {}
-    timed = report and (lambda i, metrics: report(i, metrics, time.time() - clock["start"]))
-    train = make_train(args, timed, report_every)
+def compile_run(args: Args):
+    """The programs that train seeds args.seed .. args.seed + num_seeds - 1 (seed i of N trains as
+    `--seed i` alone) on the devices: (init() -> state, chunk(state, n) -> (state, metrics
+    [seed, chunk_size], NaN past n), compile seconds). A run that cannot fit in the devices'
+    memory is refused here, before it trains."""
+    init, chunk = make_chunk(args)
     mesh = jax.sharding.Mesh(np.reshape(devices(args), (1, -1) if args.shard_envs else (-1, 1)),
                              ("seeds", "envs"))
-    seeds, per_env = P("seeds"), P("seeds", "envs")  # how the results are split over devices
+    seeds, per_env = P("seeds"), P("seeds", "envs")  # how the state is split over devices
+    specs = TrainState(seeds, seeds, Runner(*[per_env] * 5, seeds, Norm(seeds, seeds, per_env)),
+                       seeds, seeds)
 
-    def train_seeds(seed_index):  # the seeds of one device
-        keys = jax.vmap(jax.random.key)(args.seed + seed_index)
-        if len(seed_index) == 1:  # a vmap over one seed costs speed on CPU
-            return jax.tree.map(lambda x: x[None], train(keys[0], seed_index[0]))
-        return jax.vmap(train)(keys, seed_index)
+    def over_seeds(f, per_seed, *shared):  # f of one seed, on the seeds of one device
+        if len(jax.tree.leaves(per_seed)[0]) == 1:  # a vmap over one seed costs speed on CPU
+            return jax.tree.map(lambda x: x[None], f(jax.tree.map(lambda x: x[0], per_seed),
+                                                     *shared))
+        return jax.vmap(f, in_axes=(0,) + (None,) * len(shared))(per_seed, *shared)
 
-    # check_vma=False: gradients averaged by hand, as under pmap (with it, grad would sum them).
-    # One device runs the plain program: shard_map slowed its compile by 0.6 s (measured).
-    train_seeds = train_seeds if mesh.size == 1 and not args.shard_envs else jax.shard_map(
-        train_seeds, mesh=mesh, in_specs=seeds, check_vma=False, out_specs=(
-            (seeds, seeds, Runner(*[per_env] * 5, seeds, Norm(seeds, seeds, per_env))), seeds))
+    def init_seeds(seed_index):
+        return over_seeds(lambda index: init(jax.random.key(args.seed + index)), seed_index)
+
+    def chunk_seeds(state, n):
+        return over_seeds(functools.partial(chunk, size=args.chunk_size), state, n)
+
+    if mesh.size > 1 or args.shard_envs:  # one device runs the plain program: it compiles faster
+        # check_vma=False: gradients averaged by hand, as under pmap (with it, grad sums them)
+        init_seeds = jax.shard_map(init_seeds, mesh=mesh, in_specs=seeds, out_specs=specs,
+                                   check_vma=False)
+        chunk_seeds = jax.shard_map(chunk_seeds, mesh=mesh, in_specs=(specs, P()),
+                                    out_specs=(specs, seeds), check_vma=False)
     seed_index = jax.make_array_from_callback(  # on every host, the seeds of its own devices
         (args.num_seeds,), NamedSharding(mesh, seeds), lambda i: np.arange(args.num_seeds)[i])
-    start = time.time()  # the results are replicated, for every host to read
-    compiled = jax.jit(train_seeds, out_shardings=NamedSharding(mesh, P())).lower(
-        seed_index).compile()
-    compile_s, train_s = time.time() - start, []
+    start = time.time()
+    init_seeds = jax.jit(init_seeds).lower(seed_index).compile()
+    chunk_seeds = jax.jit(  # the metrics replicated, for every host to read
+        chunk_seeds, out_shardings=(None, NamedSharding(mesh, P()))).lower(
+        init_seeds.out_info, args.chunk_size).compile()
+    check_memory(args, chunk_seeds)
+    return functools.partial(init_seeds, seed_index), chunk_seeds, time.time() - start
+
+
+def check_memory(args: Args, compiled) -> None:
+    """Refuse, naming the flags, a chunk program larger than its device's memory (XLA's count)."""
+    stats, device = compiled.memory_analysis(), jax.local_devices()[0]
+    need = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes)
+    if device.platform == "cpu":  # every CPU device shares the host's memory
+        need *= jax.local_device_count()
+    have = free_memory(device)
+    if need > have:
+        raise ValueError(
+            f"the run needs about {need / 2**30:.1f} GiB of memory and the {device.platform} has "
+            f"{have / 2**30:.1f} GiB free: lower --num-envs {args.num_envs}, --num-steps "
+            f"{args.num_steps} or --num-seeds {args.num_seeds}")
+
+
+def free_memory(device) -> float:  # bytes that the device can still allocate
+    if device.platform != "cpu":
+        return (device.memory_stats() or {}).get("bytes_limit", math.inf)
+    try:  # Linux: what can be allocated without swapping, the page cache included
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
+    """Train in chunks of compiled iterations, from the start or from `start` = (state, metrics,
+    iterations done) of a stopped run: (state, metrics [seed, iteration] with global_step,
+    compile seconds, seconds of each of `repeats` runs). `program` is compile_run's.
+    `on_chunk(state, metrics, done, seconds)` runs on the host after each chunk: False stops."""
+    init, chunk, compile_s = program or compile_run(args)
+    steps = args.batch_size * np.arange(1, args.num_iterations + 1, dtype=np.int64)  # no wrap
+    train_s, waiter = [], concurrent.futures.ThreadPoolExecutor(1)
     for _ in range(repeats):
-        clock["start"] = time.time()
-        state, metrics = jax.block_until_ready(compiled(seed_index))
-        train_s.append(time.time() - clock["start"])
+        begin = time.time()
+        state, metrics, done = start or (init(), {}, 0)
+        metrics = {"global_step": np.broadcast_to(steps, (args.num_seeds, len(steps))), **metrics}
+        n = args.chunk_iterations or 1
+        while done < args.num_iterations:
+            n, called = min(n, args.num_iterations - done), time.time()
+            state, rows = chunk(state, n)
+            # waited for in a thread: the main thread then runs a signal's handler at once
+            for k, v in waiter.submit(jax.device_get, rows).result().items():
+                metrics.setdefault(k, np.full(metrics["global_step"].shape, np.nan, v.dtype))
+                metrics[k][:, done:done + n] = v[:, :n]
+            done += n
+            if not args.chunk_iterations:  # about a second a call: each call costs a few ms
+                n = max(1, min(args.chunk_size, round(n / max(time.time() - called, 1e-3))))
+            if jax.process_count() > 1:  # every host runs the chunks that process 0 runs
+                n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+            if on_chunk and on_chunk(state, metrics, done, time.time() - begin) is False:
+                break
+        jax.block_until_ready(state)
+        train_s.append(time.time() - begin)
     return state, metrics, compile_s, train_s
 
 
@@ -634,13 +746,29 @@ def evaluate(args: Args, params, norm) -> np.ndarray:
     return np.asarray(jax.jit(jax.vmap(episodes))(jnp.array(args.seeds), params, norm))
 
 
+def refuse_changes(cli: Args, flag: str, allowed: tuple) -> None:
+    """--eval-checkpoint and --resume take the saved run's flags: only `allowed` may be given."""
+    for name in [k for k, v in vars(cli).items() if v != getattr(Args, k) and k not in allowed]:
+        flags = ", ".join(f"--{k}" for k in allowed).replace("_", "-")
+        raise ValueError(f"--{name.replace('_', '-')} cannot change the run saved at "
+                         f"{getattr(cli, flag)}: only {flags} apply to it")
+
+
 def load_run(cli: Args):
     """(Args, params, norm) of the run saved at --eval-checkpoint, seeds stacked."""
     check_args(cli)  # the flags given, before the saved ones
-    path, ok = cli.eval_checkpoint, ("eval_", "track", "wandb_")  # this evaluation's own flags
-    for name in [k for k, v in vars(cli).items() if v != getattr(Args, k) and not k.startswith(ok)]:
-        raise ValueError(f"--{name.replace('_', '-')} cannot change the run saved at {path}: "
-                         "only --eval-*, --track and --wandb-* flags apply to it")
+    path = cli.eval_checkpoint
+    ok = ("eval_checkpoint", "eval_episodes", "eval_deterministic", "track", "wandb_project_name",
+          "wandb_entity")  # this evaluation's own flags
+    refuse_changes(cli, "eval_checkpoint", ok)
+    if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "seed_*")):
+        folder = os.path.normpath(path)
+        raise ValueError(f"--eval-checkpoint {path} holds no seed_* model: " + (
+            f"it is one seed's; give its run folder, {os.path.dirname(folder)}"
+            if os.path.basename(folder).startswith("seed_") else
+            f"it is a stopped run; --resume {path} finishes it"
+            if os.path.isdir(os.path.join(path, "state")) else
+            "give a folder runs/{run_name} that --save-model wrote"))
     read = lambda entry, **items: ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
         os.path.abspath(os.path.join(path, entry)), args=ocp.args.Composite(**items))
     try:  # each seed's entry holds the Args; params go into the shapes of nnx.eval_shape's model
@@ -649,7 +777,7 @@ def load_run(cli: Args):
         if saved["script"] != os.path.basename(__file__):
             raise ValueError(f"{saved['script']} saved it: evaluate it with that script")
         args = check_args(Args(**{**saved["args"], "save_model": False, **{
-            k: v for k, v in vars(cli).items() if k.startswith(ok)}}))
+            k: getattr(cli, k) for k in ok}}))
         model = nnx.eval_shape(lambda: build_model(args, *make_env(args), nnx.Rngs(0)))
         runs = [read(f"seed_{seed}", params=ocp.args.StandardRestore(nnx.state(model, nnx.Param)),
                      norm=ocp.args.StandardRestore()) for seed in args.seeds]  # norm: as dicts
@@ -658,6 +786,116 @@ def load_run(cli: Args):
     except Exception as error:  # missing, corrupt, another script's
         raise ValueError(f"--eval-checkpoint {path} is not a run saved by "
                          f"{os.path.basename(__file__)} ({error!r:.200})") from None
+
+
+def reserve_run_dir(args: Args, stamp: int) -> tuple[str, int]:
+    """Create runs/{env_id}__{exp_name}__{seed}__{stamp} before anything compiles, with the next
+    free stamp if it is taken (runs started in the same second), and prove it writable."""
+    run_dir, error = lambda stamp: f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}", ""
+    if jax.process_index() == 0:  # on a shared file system, one host reserves for all
+        try:
+            os.makedirs("runs", exist_ok=True)
+            while not try_mkdir(run_dir(stamp)):
+                stamp += 1
+            tempfile.TemporaryFile(dir=run_dir(stamp)).close()
+        except OSError as err:
+            error, stamp = f"{err.strerror}: {err.filename}", -1
+    if jax.process_count() > 1:
+        stamp = int(multihost_utils.broadcast_one_to_all(np.int32(stamp)))
+    if stamp < 0:
+        raise ValueError(f"cannot write the run folder in {os.path.abspath('runs')} ("
+                         f"{error or 'on process 0'}): start the run where runs/ can be written")
+    return run_dir(stamp), stamp
+
+
+def try_mkdir(path: str) -> bool:  # False if it exists: mkdir is atomic, exists-then-mkdir is not
+    try:
+        os.mkdir(path)
+        return True
+    except FileExistsError:
+        return False
+
+
+def checkpoints(run_dir: str) -> ocp.CheckpointManager:
+    """runs/{run_name}/state/{iteration}: the newest training state only. Orbax writes a step to a
+    temporary folder and renames it when complete, so a kill mid-write keeps the one before."""
+    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "state")),
+                                 options=ocp.CheckpointManagerOptions(
+                                     max_to_keep=1, enable_async_checkpointing=False))
+
+
+def save_state(run_dir: str, state: TrainState, metrics: dict, done: int, meta: dict) -> None:
+    """The whole training state after `done` iterations, every iteration's metrics so far, and
+    `meta` (the Args, the W&B run ids): what --resume continues from."""
+    with checkpoints(run_dir) as manager:
+        if manager.latest_step() != done:
+            manager.save(done, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                history=ocp.args.StandardSave({k: v for k, v in metrics.items()
+                                               if k != "global_step"})))
+
+
+def load_stopped(cli: Args) -> tuple[Args, dict]:
+    """(Args, meta) of the stopped run at --resume; meta["done"]: the iterations it ran."""
+    check_args(cli)
+    path = cli.resume
+    ok = ("resume", "save_model", "save_every", "chunk_iterations", "eval_episodes",
+          "eval_deterministic")  # flags that leave the run's numbers alone
+    refuse_changes(cli, "resume", ok)
+    if not os.path.isdir(os.path.join(path, "state")):
+        raise ValueError(f"--resume {path} holds no training state (a state/ folder): give a "
+                         "runs/{run_name} that a stopped run or --save-every saved")
+    try:
+        with checkpoints(path) as manager:
+            done = manager.latest_step()
+            meta = manager.restore(done, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        meta = dict(meta["meta"], done=done)
+        if meta["script"] != os.path.basename(__file__):
+            raise ValueError(f"{meta['script']} saved it: resume it with that script")
+        args = check_args(Args(**{**meta["args"], **{k: getattr(cli, k) for k in ok[1:]}}))
+    except Exception as error:  # missing, corrupt, another script's
+        raise ValueError(f"--resume {path} is not a run saved by {os.path.basename(__file__)} "
+                         f"({error!r:.200})") from None
+    if done == args.num_iterations:
+        raise ValueError(f"--resume {path}: the run has finished; --eval-checkpoint {path} "
+                         "evaluates it")
+    return args, meta
+
+
+def restore_state(run_dir: str, done: int, like: TrainState) -> tuple[TrainState, dict, int]:
+    """The state saved after `done` iterations, placed on the devices as `like`, and the metrics."""
+    with checkpoints(run_dir) as manager:
+        saved = manager.restore(done, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(like), history=ocp.args.StandardRestore()))
+    return saved["state"], {k: np.array(v) for k, v in saved["history"].items()}, done
+
+
+def save_model(folder: str, args: Args, params, norm) -> None:
+    """An Orbax checkpoint per seed, seed_{seed}: its params and statistics, and the Args."""
+    for i, seed in enumerate(args.seeds):
+        ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
+            os.path.abspath(f"{folder}/seed_{seed}"), args=ocp.args.Composite(
+                params=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], params)),
+                norm=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], norm)),
+                args=ocp.args.JsonSave(dict(script=os.path.basename(__file__),
+                                            args=dataclasses.asdict(args)))))
+
+
+def keep(run_dir: str, what: str, write) -> tuple[Optional[str], str]:
+    """write(folder) into the run folder or, failing that (a full disk), a temporary folder:
+    (the folder, or None if both failed; one line saying where, or what was lost and why)."""
+    errors = []
+    for folder in (run_dir, f"{tempfile.gettempdir()}/{os.path.basename(run_dir)}"):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            write(folder)
+            return folder, f"saved {what}: {folder}"
+        except Exception as error:  # OSError, or Orbax's own on a full disk
+            errors.append(f"{folder} ({str(error).splitlines()[0][:120] or repr(error)})")
+            for partial in glob.glob(f"{glob.escape(folder)}/**/*.orbax-checkpoint-tmp*",
+                                     recursive=True):
+                shutil.rmtree(partial, ignore_errors=True)  # Orbax's half-written folders
+    return None, f"could not save {what}, lost: " + "; ".join(errors)
 
 
 # ========================================== Main ===========================================
@@ -669,8 +907,9 @@ def final_return(metrics: dict) -> np.ndarray:
     return np.where(ended > 0, np.nansum(last, -1) / np.maximum(ended, 1), np.nan)
 
 
-def first_nonfinite(args: Args, params, metrics: dict) -> Optional[str]:
-    """Where a run first went NaN or infinite (losses per iteration, then the final parameters)."""
+def first_nonfinite(args: Args, metrics: dict, params=None) -> Optional[str]:
+    """Where a run first went NaN or infinite: in the losses of the iterations in `metrics`, else
+    in the final `params`."""
     names = [k for k in metrics if k.startswith("losses/") and k != "losses/explained_variance"]
     bad = np.stack([~np.isfinite(np.asarray(metrics[k])) for k in names], -1)  # [seed, i, name]
     bad_params = np.any([~np.isfinite(x.reshape(len(x), -1)).all(-1)
@@ -686,8 +925,9 @@ def first_nonfinite(args: Args, params, metrics: dict) -> Optional[str]:
             f"(global_step {(i + 1) * args.batch_size}); the run diverged")
 
 
-def init_wandb(args: Args, stamp: int) -> list:
-    """A W&B run per seed, named the CleanRL way; offline without credentials or a server."""
+def init_wandb(args: Args, stamp: int, ids=None) -> list:
+    """A W&B run per seed, named the CleanRL way (or, resuming, the runs `ids`); offline without
+    credentials or a server."""
     import wandb
 
     def offline(why: str) -> str:
@@ -699,11 +939,12 @@ def init_wandb(args: Args, stamp: int) -> list:
     if (os.environ.get("WANDB_MODE") not in ("offline", "disabled")
             and not wandb.login(prompt=False, verify=False)):
         mode = offline("found no W&B credentials (`wandb login` or WANDB_API_KEY)")
-    for seed in args.seeds:
+    for i, seed in enumerate(args.seeds):
         settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, save_code=True,
                         name=f"{args.env_id}__{args.exp_name}__{seed}__{stamp}",
                         group=f"{args.env_id}__{args.exp_name}__{stamp}", reinit="create_new",
-                        config={**dataclasses.asdict(args), "seed": seed})
+                        config={**dataclasses.asdict(args), "seed": seed},
+                        id=ids[i] if ids else None, resume="allow" if ids else None)
         try:
             run = wandb.init(mode=mode, **settings)
         except wandb.errors.Error as error:  # no network, or a key the server rejects
@@ -714,75 +955,123 @@ def init_wandb(args: Args, stamp: int) -> list:
     return runs
 
 
+def progress(args: Args, metrics: dict, done: int, first: int, seconds: float) -> str:
+    """The console line after `done` iterations, `seconds` after resuming from `first`."""
+    step, total = done * args.batch_size, args.num_iterations * args.batch_size
+    returns = metrics["charts/episodic_return"][:, :done]
+    last = np.where(np.isnan(returns), -1, np.arange(done)).max(-1)  # an episode ended there
+    latest = np.where(last >= 0, returns[np.arange(len(returns)), last], np.nan)
+    return (f"global_step={step:>9d} ({step / total:4.0%}, "
+            f"{seconds * (args.num_iterations - done) / (done - first):.0f} s left)  "
+            f"episodic_return={' '.join(f'{r:.1f}' for r in latest)}  "
+            f"SPS={(done - first) * args.batch_size * args.num_seeds / seconds:,.0f}")
+
+
 def main(args: Args) -> None:
-    stamp = int(time.time())
-    if jax.process_count() > 1:  # one run name for all hosts; only process 0 prints and logs
-        stamp = int(multihost_utils.broadcast_one_to_all(np.int32(stamp)))
-        sys.stdout = open(os.devnull, "w") if jax.process_index() else sys.stdout
-    try:
-        args, *saved = load_run(args) if args.eval_checkpoint else (check_args(args),)
-        run_dir = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}"
-        if args.save_model and os.path.exists(run_dir):
-            raise ValueError(f"--save-model: {run_dir} exists, and is never overwritten")
+    stamp, script, reserved, meta = int(time.time()), os.path.basename(__file__), None, {}
+    if jax.process_index():  # only process 0 prints and logs
+        sys.stdout = open(os.devnull, "w")
+    try:  # what can be refused before training is, in one line with exit code 2
+        if args.eval_checkpoint:
+            args, *saved = load_run(args)
+        elif args.resume:
+            run_dir, (args, meta) = args.resume, load_stopped(args)
+            stamp = meta["stamp"]
+        else:
+            args = check_args(args)
+            run_dir, stamp = reserve_run_dir(args, stamp)
+            reserved = jax.process_index() == 0  # the host that made the folder
+        program = None if args.eval_checkpoint else compile_run(args)
     except ValueError as error:
+        if reserved:
+            os.rmdir(run_dir)  # empty: this run made it
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    wandb_runs = init_wandb(args, stamp) if args.track and jax.process_index() == 0 else []
-    total = args.num_iterations * args.batch_size
-    shown = args.num_seeds // (1 if args.shard_envs else jax.process_count())  # process 0's seeds
-    latest, reached, printed = np.full(shown, np.nan), np.zeros(shown, int), [0]
+    wandb_runs = (init_wandb(args, stamp, meta.get("wandb_ids"))
+                  if args.track and jax.process_index() == 0 else [])
+    failure, stopped, exit_code = None, False, 0
+    if not args.eval_checkpoint:
+        first = meta.get("done", 0)  # iterations run before a resume
+        start = restore_state(run_dir, first, program[0]()) if first else None
+        meta = dict(script=script, args=dataclasses.asdict(args), stamp=stamp,
+                    wandb_ids=meta.get("wandb_ids") or [run.id for run in wandb_runs])
+        signals, logged, printed, saved_at = [], first, 0.0, first
 
-    def report(seed_index, metrics, elapsed):  # a console line a second, once all shown got there
-        if jax.process_index():
-            return
-        seed_index, metrics = int(seed_index), {k: float(v) for k, v in metrics.items()}
-        if wandb_runs:
-            wandb_runs[seed_index].log(metrics)
-        if not math.isnan(metrics["charts/episodic_return"]):
-            latest[seed_index] = metrics["charts/episodic_return"]
-        reached[seed_index] = step = int(metrics["global_step"])
-        if reached.min() == step and (time.time() - printed[0] >= 1 or step == total):
-            printed[0] = time.time()
-            print(f"global_step={step:>9d} ({step / total:4.0%}, "
-                  f"{elapsed * (total - step) / step:.0f} s left)  episodic_return="
-                  + " ".join(f"{r:.1f}" for r in latest)
-                  + f"  SPS={step * args.num_seeds / max(elapsed, 1e-9):,.0f}", flush=True)
+        def on_signal(signum, frame):  # stop at the end of the chunk under way
+            signals.append(signum)
+            for s in (signal.SIGINT, signal.SIGTERM):  # a second one stops at once
+                signal.signal(s, signal.SIG_DFL)
 
-    failure = None
-    if not saved:
-        state, metrics, compile_s, (train_s,) = run(  # W&B: every iteration; the console: ~100
-            args, report, 1 if args.track else max(1, args.num_iterations // 100))
-        finals, failure = final_return(metrics), first_nonfinite(args, state[0], metrics)
-        for wandb_run, final in zip(wandb_runs, finals):
-            wandb_run.summary["final_episodic_return"] = float(final)
-        print(f"summary: env={args.env_id} seeds={list(args.seeds)} "
-              f"final_episodic_return={[round(float(r), 2) for r in finals]} "
-              f"env_steps={total * args.num_seeds} compile_s={compile_s:.1f} "
-              f"train_s={train_s:.1f} SPS={total * args.num_seeds / train_s:,.0f}")
-        saved = jax.tree.map(np.asarray, (state[0], state[2].norm))
-        for seed_index, wandb_run in list(enumerate(wandb_runs))[shown:]:  # other hosts' seeds
-            for i in range(args.num_iterations):
-                wandb_run.log({k: float(np.asarray(v)[seed_index, i]) for k, v in metrics.items()})
-    if args.save_model and not failure:  # an Orbax checkpoint per seed: params, statistics, Args
-        for i, seed in enumerate(args.seeds):
-            ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
-                os.path.abspath(f"{run_dir}/seed_{seed}"), args=ocp.args.Composite(
-                    params=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], saved[0])),
-                    norm=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], saved[1])),
-                    args=ocp.args.JsonSave(dict(script=os.path.basename(__file__),
-                                                args=dataclasses.asdict(args)))))
-        print(f"saved: {run_dir}")
-    if (args.eval_episodes or args.eval_checkpoint) and not failure:
+        def after_chunk(state, metrics, done, seconds):  # on the host, between compiled chunks
+            nonlocal failure, logged, printed, saved_at
+            for i in range(logged, done):  # W&B: every iteration
+                for seed_index, wandb_run in enumerate(wandb_runs):
+                    wandb_run.log({k: v[seed_index, i].item() for k, v in metrics.items()})
+            logged = done
+            if time.time() - printed >= 1 or done == args.num_iterations:  # a line a second
+                printed = time.time()
+                print(progress(args, metrics, done, first, seconds), flush=True)
+            failure = first_nonfinite(args, {k: v[:, :done] for k, v in metrics.items()})
+            if args.save_every and done - saved_at >= args.save_every and not failure:
+                folder, line = keep(run_dir, "the training state",
+                                    lambda folder: save_state(folder, state, metrics, done, meta))
+                saved_at = done if folder else saved_at
+                print(f"warning: {line}" if not folder else line, flush=True)
+            stop = bool(signals)
+            if jax.process_count() > 1:  # a signal to any host stops all of them
+                stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
+            return not (failure or stop)
+
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            state, metrics, compile_s, (train_s,) = run(args, program, start, after_chunk)
+        finally:
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+        done = logged
+        if signals and not failure and done < args.num_iterations:  # keep this boundary
+            folder, line = keep(run_dir, "the training state",
+                                lambda folder: save_state(folder, state, metrics, done, meta))
+            print(f"stopped by {signal.Signals(signals[0]).name} at iteration {done} of "
+                  f"{args.num_iterations}; {line}"
+                  + (f"; resume with: python {script} --resume {folder}" if folder else ""),
+                  file=sys.stderr)
+            stopped, exit_code = True, 128 + signals[0]
+        else:
+            metrics = {k: v[:, :done] for k, v in metrics.items()}
+            saved = jax.tree.map(np.asarray, multihost_utils.process_allgather(
+                (state.params, state.runner.norm), tiled=True))  # every seed, on every host
+            failure = failure or first_nonfinite(args, metrics, saved[0])
+            finals, steps = final_return(metrics), (done - first) * args.batch_size * args.num_seeds
+            for wandb_run, final in zip(wandb_runs, finals):
+                wandb_run.summary["final_episodic_return"] = float(final)
+            print(f"summary: env={args.env_id} seeds={list(args.seeds)} "
+                  f"final_episodic_return={[round(float(r), 2) for r in finals]} "
+                  f"env_steps={steps} compile_s={compile_s:.1f} train_s={train_s:.1f} "
+                  f"SPS={steps / train_s:,.0f}")
+    if args.save_model and not (failure or stopped):
+        def save(folder):  # each seed's model, and the state with every iteration's metrics
+            save_model(folder, args, *saved)
+            save_state(folder, state, metrics, done, meta)
+
+        folder, line = keep(run_dir, "the model", save)
+        print(line if folder else f"error: {line}", file=sys.stdout if folder else sys.stderr)
+        exit_code = 0 if folder else 1
+    if (args.eval_episodes or args.eval_checkpoint) and not (failure or stopped):
         returns = evaluate(args, *saved)
         for wandb_run, r in zip(wandb_runs, returns):
             wandb_run.log({"eval/episodic_return": r.mean(), "eval/episodic_return_std": r.std()})
         print(f"eval: {returns.shape[1]} episodes, deterministic={args.eval_deterministic}, "
               "eval/episodic_return=" + " ".join(f"{r.mean():.2f}+-{r.std():.2f}" for r in returns))
+    exit_code = 1 if failure else exit_code
     for wandb_run in wandb_runs:
-        wandb_run.finish(exit_code=1 if failure else 0)
+        wandb_run.finish(exit_code=exit_code)
+    if reserved and not os.listdir(run_dir):
+        os.rmdir(run_dir)  # nothing was kept in it
     if failure:
         print(f"error: {failure}", file=sys.stderr)
-        sys.exit(1)
+    if exit_code:
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":
