@@ -19,6 +19,12 @@ TINY_FLAGS = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "32
               "--num-minibatches", "2", "--update-epochs", "1", "--hidden-size", "16"]
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Every test in a folder of its own: `main` reserves its run folder in ./runs."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(params=[ppo_nnx, ppo_nnx_vae_lstm], ids=lambda module: module.__name__)
 def script(request):
     """Each script module in turn, for the tests that hold for both."""

@@ -24,7 +24,8 @@ for i, run in enumerate(map(json.loads, sys.argv[3:])):
     if run["bug"]:
         name, value = bugs[run["bug"]]
         saved, _ = getattr(script, name), setattr(script, name, value)
-    (params, _, _), metrics, *_ = script.run(script.Args(**run["args"]))
+    state, metrics, *_ = script.run(script.Args(**run["args"]))
+    params = state.params
     if run["bug"]:
         setattr(script, name, saved)
     results.update({f"{i} param {j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(params))})

@@ -51,7 +51,7 @@ def name(request):
 
 def test_saved_run_evaluates_exactly_as_in_memory(saved, name):
     run_dir, (in_memory, loaded) = saved[name]
-    assert sorted(p.name for p in run_dir.iterdir()) == ["seed_1", "seed_2"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["seed_1", "seed_2", "state"]
     assert in_memory.shape == (2, 3) and np.isfinite(in_memory).all()
     np.testing.assert_array_equal(loaded, in_memory)
     assert not np.array_equal(in_memory[0], in_memory[1])  # control: seeds differ
@@ -113,20 +113,22 @@ def test_bad_checkpoints_are_refused_in_one_line(saved, name, tmp_path, capsys):
     assert script.load_run(script.Args(eval_checkpoint=str(run_dir)))[0].num_seeds == 2
 
 
-def test_save_model_never_overwrites(script, tmp_path, monkeypatch, capsys):
-    """The run directory is checked before training: a taken one stops the run at once."""
-    monkeypatch.chdir(tmp_path)
+def test_a_taken_run_name_moves_to_the_next_second(script, tmp_path, monkeypatch):
+    """Two runs started in the same second: the second reserves the next stamp, before compiling,
+    and never touches the first one's folder."""
     monkeypatch.setattr(script, "time", types.SimpleNamespace(time=lambda: 1234.0))
+    monkeypatch.setattr(script, "compile_run", lambda args: sys.exit("compiling"))
     args = tiny_args(script, save_model=True)
-    taken = tmp_path / "runs" / f"CartPole-v1__{args.exp_name}__1__1234"
-    taken.mkdir(parents=True)
-    (taken / "notes.txt").write_text("mine")
-    assert f"runs/{taken.name} exists" in refused(script, capsys, **vars(args))
-    assert snapshot(taken) == {taken / "notes.txt": b"mine"}
-    monkeypatch.setattr(script, "run", lambda *a, **k: sys.exit("training"))
-    monkeypatch.setattr(script, "time", types.SimpleNamespace(time=lambda: 1235.0))
-    with pytest.raises(SystemExit, match="training"):  # control: a free name goes on to train
+    name = f"CartPole-v1__{args.exp_name}__1"
+    with pytest.raises(SystemExit, match="compiling"):  # control: a free name is taken as is
         script.main(args)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"{name}__1234"]
+    (tmp_path / "runs" / f"{name}__1234" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="compiling"):
+        script.main(args)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"{name}__1234",
+                                                                     f"{name}__1235"]
+    assert snapshot(tmp_path / "runs") == {tmp_path / "runs" / f"{name}__1234" / "notes.txt": b"mine"}
 
 
 def test_cli_saves_then_evaluates_the_same_return(tmp_path):

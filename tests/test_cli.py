@@ -68,6 +68,14 @@ def test_unknown_env_exits_2_via_cli(script):
     (dict(latent_size=-1), "--latent-size"),
     (dict(activation="gelu"), "--activation"),
     (dict(env_id="Acrobot-v1", mask_velocity=True), "--mask-velocity"),
+    (dict(seed=3_000_000_000), "--seed"),
+    (dict(seed=2**31 - 2, num_seeds=4), "--seed"),
+    (dict(total_timesteps=10**13), "--total-timesteps"),
+    (dict(num_envs=4, num_steps=2, num_minibatches=8), "--num-minibatches"),
+    (dict(exp_name="../../x"), "--exp-name"),
+    (dict(save_every=-1), "--save-every"),
+    (dict(chunk_iterations=-1), "--chunk-iterations"),
+    (dict(resume="runs/a", eval_checkpoint="runs/a"), "--resume"),
 ])
 def test_bad_input_exits_2_with_one_line(script, capsys, overrides, flag):
     with pytest.raises(SystemExit) as exit_info:
@@ -86,3 +94,13 @@ def test_recurrent_minibatches_must_divide_the_envs(capsys):
     assert exit_info.value.code == 2  # 4 divides the batch 6 * 32, not the 6 envs
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--num-minibatches 4" in err[0] and "--num-envs 6" in err[0], err
+
+
+def test_limits_take_their_last_allowed_value(script):
+    """Controls for the refusals above: each limit's last allowed value passes check_args."""
+    for overrides in [dict(seed=2**31 - 4, num_seeds=4), dict(seed=-(2**31)),
+                      dict(num_envs=8, num_steps=1, num_minibatches=4),  # 2 samples each
+                      dict(num_steps=1, num_envs=1, num_minibatches=1, norm_adv=False),
+                      dict(total_timesteps=(2**31 - 1) // 16 * 512, num_steps=128),
+                      dict(exp_name="sweep.lr-3e-4")]:
+        script.check_args(script.Args(**overrides))

@@ -43,7 +43,8 @@ def on_devices(script, count: int, tmp_path, *runs) -> list:
 
 def here(script, args) -> tuple:
     """The same, trained in this process, on its one device."""
-    (params, _, _), metrics, *_ = script.run(args)
+    state, metrics, *_ = script.run(args)
+    params = state.params
     return ([np.asarray(x) for x in jax.tree.leaves(params)],
             {k: np.asarray(v) for k, v in metrics.items()})
 

@@ -91,7 +91,7 @@ def test_watchdog_calls_an_idle_process_hung():
 
 
 def test_stress_check_short_run(tmp_path):
-    """A few runs of `--num-seeds 5` (vmapped seeds with live host callbacks), no XLA_FLAGS:
+    """A few runs of `--num-seeds 5` (vmapped seeds, trained in chunks by `main`), no XLA_FLAGS:
     none may hang."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
@@ -125,14 +125,14 @@ def test_first_nonfinite_names_the_first_bad_iteration():
                "losses/explained_variance": np.full((2, 6), np.nan),  # NaN is normal here
                "charts/episodic_return": np.full((2, 6), np.nan)}
     params = {"w": np.ones((2, 3))}
-    assert ppo_nnx.first_nonfinite(args, params, metrics) is None  # control: a healthy run
+    assert ppo_nnx.first_nonfinite(args, metrics, params) is None  # control: a healthy run
     metrics["losses/value_loss"][1, 4] = np.inf
     metrics["losses/approx_kl"][1, 5] = np.nan
-    assert ppo_nnx.first_nonfinite(args, params, metrics).startswith(
+    assert ppo_nnx.first_nonfinite(args, metrics, params).startswith(
         "seed 11: losses/value_loss is inf at iteration 5 of 6 (global_step 640)")
     metrics["losses/value_loss"][1, 4] = metrics["losses/approx_kl"][1, 5] = 1.0
     params["w"][0, 2] = np.nan  # finite metrics, parameters gone bad at the end
-    assert ppo_nnx.first_nonfinite(args, params, metrics).startswith(
+    assert ppo_nnx.first_nonfinite(args, metrics, params).startswith(
         "seed 10: the weights are not finite at iteration 6 of 6")
 
 
