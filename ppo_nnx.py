@@ -9,6 +9,7 @@ every sampled action is stored in `rollout_extras` and re-scored, never re-sampl
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -888,14 +889,28 @@ def keep(run_dir: str, what: str, write) -> tuple[Optional[str], str]:
     for folder in (run_dir, f"{tempfile.gettempdir()}/{os.path.basename(run_dir)}"):
         try:
             os.makedirs(folder, exist_ok=True)
-            write(folder)
-            return folder, f"saved {what}: {folder}"
+            with quiet():
+                write(folder)
+            return folder, f"saved {what}: {folder}" + (f" (not {'; '.join(errors)})"
+                                                          if errors else "")
         except Exception as error:  # OSError, or Orbax's own on a full disk
-            errors.append(f"{folder} ({str(error).splitlines()[0][:120] or repr(error)})")
+            errors.append(f"{folder}: {str(error).splitlines()[0][:160] or repr(error)}")
             for partial in glob.glob(f"{glob.escape(folder)}/**/*.orbax-checkpoint-tmp*",
                                      recursive=True):
                 shutil.rmtree(partial, ignore_errors=True)  # Orbax's half-written folders
     return None, f"could not save {what}, lost: " + "; ".join(errors)
+
+
+@contextlib.contextmanager
+def quiet():  # Orbax's threads print a failed write's tracebacks: keep them off the console
+    console, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(console, 2)
+        os.close(console)
+        os.close(devnull)
 
 
 # ========================================== Main ===========================================
