@@ -1090,4 +1090,8 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    except KeyboardInterrupt:  # while compiling, saving or evaluating: training has its handler
+        print("stopped by SIGINT outside training; what was saved is kept", file=sys.stderr)
+        sys.exit(130)
