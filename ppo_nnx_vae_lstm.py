@@ -630,7 +630,7 @@ class TrainState(NamedTuple):  # one seed's training: all that a stopped run res
     opt_state: Any
     runner: Runner
     iteration: jax.Array  # the iterations done
-    update_key: jax.Array  # split into every iteration's key at once: chunks draw what one does
+    update_key: jax.Array  # split into every iteration's key (see chunk)
 
 
 def make_chunk(args: Args):
@@ -654,9 +654,9 @@ def make_chunk(args: Args):
                         jnp.zeros(args.local_envs, int), runner_key, norm)
         return TrainState(params, optimizer.init(params), runner, jnp.array(0), update_key)
 
-    def iteration(graphdef, rest, state: TrainState):
+    def iteration(graphdef, rest, update_keys, state: TrainState):
         params, opt_state, runner, i, _ = state
-        update_key = jax.random.split(state.update_key, args.num_iterations)[i]
+        update_key = update_keys[i]
         runner, t = rollout(graphdef, params, rest, env, env_params, runner, args)
         next_values = bootstrap_values(merge(graphdef, params, rest), t)
         advantages, returns = compute_gae(t, next_values, args)
@@ -678,7 +678,9 @@ def make_chunk(args: Args):
         # the network's structure and its nnx.Rngs (read only by init); the Params are the state's
         graphdef, _, rest = nnx.split(build_model(args, env, env_params, nnx.Rngs(0)), nnx.Param,
                                       ...)
-        step = functools.partial(iteration, graphdef, rest)
+        # every iteration's key, split once for the whole run: chunks draw what one call draws
+        step = functools.partial(iteration, graphdef, rest,
+                                 jax.random.split(state.update_key, args.num_iterations))
         rows = jax.tree.map(lambda x: jnp.full((size,) + x.shape, jnp.nan, x.dtype),
                             jax.eval_shape(step, state)[1])
 
@@ -873,7 +875,10 @@ def load_run(cli: Args):
 def reserve_run_dir(args: Args, stamp: int) -> tuple[str, int]:
     """Create runs/{env_id}__{exp_name}__{seed}__{stamp} before anything compiles, with the next
     free stamp if it is taken (runs started in the same second), and prove it writable."""
-    run_dir, error = lambda stamp: f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}", ""
+    def run_dir(stamp: int) -> str:  # CleanRL's run name
+        return f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}"
+
+    error = ""
     if jax.process_index() == 0:  # on a shared file system, one host reserves for all
         try:
             os.makedirs("runs", exist_ok=True)
@@ -1112,7 +1117,8 @@ def main(args: Args) -> None:
                 folder, line = keep(run_dir, "the training state",
                                     lambda folder: save_state(folder, state, metrics, done, meta))
                 saved_at = done if folder else saved_at
-                print(f"warning: {line}" if not folder else line, flush=True)
+                print(line if folder else f"warning: {line}", file=sys.stdout if folder
+                      else sys.stderr, flush=True)
             stop = bool(signals)
             if jax.process_count() > 1:  # a signal to any host stops all of them
                 stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
