@@ -17,7 +17,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).par
 from conftest import module_rng_bottleneck  # noqa: E402
 
 script = importlib.import_module(sys.argv[1])
-bugs = {"local_moments": ("moments", lambda x, args: (x.mean(0), x.var(0))),  # one device's
+bugs = {"local_moments": ("moments", lambda x: (x[: len(x) // 4].mean(0), x[: len(x) // 4].var(0))),  # one of 4 devices' envs
         "module_rng": ("VariationalBottleneck", module_rng_bottleneck(script))}
 results = {}
 for i, run in enumerate(map(json.loads, sys.argv[3:])):

@@ -19,7 +19,7 @@ def test_moments_merge_batches_as_one_stream():
     data = (rng.normal(0.0, 2.0, (10, 16, 3)) + rng.normal(0.0, 5.0, (10, 1, 3))).astype(np.float32)
     moments = dict(mean=jnp.zeros(3), var=jnp.ones(3), count=jnp.array(1e-4))
     for batch in data:
-        moments = ppo_nnx.update_moments(moments, jnp.asarray(batch), ppo_nnx.Args())
+        moments = ppo_nnx.update_moments(moments, jnp.asarray(batch))
     flat = data.reshape(-1, 3)
     np.testing.assert_allclose(moments["mean"], flat.mean(0), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(moments["var"], flat.var(0), rtol=1e-4)
