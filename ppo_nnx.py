@@ -202,9 +202,8 @@ def check_args(args: Args) -> Args:
         raise ValueError(
             "--resume trains and --eval-checkpoint does not: give one of them"
         )
-    if not (
-        args.eval_checkpoint or args.resume
-    ):  # a saved run was placed when it trained
+    # a saved run was placed when it trained
+    if not (args.eval_checkpoint or args.resume):
         devices(args)
     env, env_params = make_env(args)
     continuous = not isinstance(env.action_space(env_params), spaces.Discrete)
@@ -241,9 +240,8 @@ class StatefulModule(nnx.Module):
             for name in self.stateful
         }
 
-    def reset_state(
-        self, carry: Any
-    ) -> Any:  # the carry of an env whose episode just ended
+    # the carry of an env whose episode just ended
+    def reset_state(self, carry: Any) -> Any:
         return {
             name: getattr(self, name).reset_state(carry[name]) for name in self.stateful
         }
@@ -263,16 +261,14 @@ def flatten_steps(tree):  # [T, B, ...] -> [T * B, ...]
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
 
-def split_per_env(
-    keys: jax.Array,
-) -> tuple[jax.Array, jax.Array]:  # (next keys, keys to use)
+# (next keys, keys to use)
+def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
     next_keys, use_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
     return next_keys, use_keys
 
 
-def normal_per_env(
-    keys: jax.Array, like: jax.Array
-) -> jax.Array:  # row b from keys[b] alone
+# row b from keys[b] alone
+def normal_per_env(keys: jax.Array, like: jax.Array) -> jax.Array:
     noise = jax.vmap(lambda key: jax.random.normal(key, like.shape[1:]))(keys)
     return jax.lax.optimization_barrier(
         noise
@@ -468,9 +464,8 @@ def make_env(args: Args):
         )
     try:
         return gymnax.make(args.env_id)
-    except (
-        Exception
-    ) as error:  # e.g. an env that downloads its data, on an offline machine
+    # e.g. an env that downloads its data, on an offline machine
+    except Exception as error:
         raise ValueError(
             f"--env-id {args.env_id}: gymnax could not build it ({error})"
         ) from None
@@ -495,9 +490,8 @@ def observe(obs: jax.Array, args: Args, norm: Optional[Norm] = None) -> jax.Arra
     )
 
 
-def moments(
-    x: jax.Array,
-) -> tuple[jax.Array, jax.Array]:  # mean and variance over axis 0
+# mean and variance over axis 0
+def moments(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     mean = x.mean(0)
     return mean, ((x - mean) ** 2).mean(0)
 
@@ -515,9 +509,8 @@ def new_moments(x: jax.Array) -> dict:
     return dict(mean=jnp.zeros_like(x), var=jnp.ones_like(x), count=jnp.array(1e-4))
 
 
-def init_norm(
-    obs: jax.Array, args: Args
-) -> Norm:  # having seen the reset observations, as gym
+# having seen the reset observations, as gym
+def init_norm(obs: jax.Array, args: Args) -> Norm:
     norm_obs = new_moments(obs[0])
     if args.norm_obs:
         norm_obs = update_moments(norm_obs, obs)
@@ -543,9 +536,8 @@ def build_model(args: Args, env, env_params, rngs: nnx.Rngs) -> ActorCritic:
     obs_size = observe(
         jnp.zeros((1,) + env.observation_space(env_params).shape), args
     ).shape[1]
-    with (
-        jax.ensure_compile_time_eval()
-    ):  # bounds built with jnp stay concrete under jit
+    # bounds built with jnp stay concrete under jit
+    with jax.ensure_compile_time_eval():
         space = env.action_space(env_params)
     if isinstance(space, spaces.Discrete):
         return ActorCritic(obs_size, space.n, CategoricalSampler(rngs), args, rngs)
@@ -567,9 +559,8 @@ class Runner(NamedTuple):  # what the rollout carries from one iteration to the 
     norm: Norm
 
 
-class Transition(
-    NamedTuple
-):  # one step of every env; the rollout stacks them into [T, B, ...]
+# one step of every env; the rollout stacks them into [T, B, ...]
+class Transition(NamedTuple):
     obs: jax.Array
     carry: Any  # the carry the network was called with
     rollout_extras: Any  # the raw sampled actions, keyed like the carry
@@ -584,9 +575,8 @@ class Transition(
     episode_length: jax.Array
 
 
-def merge(
-    graphdef, params, rest
-) -> ActorCritic:  # fresh variables: no write leaves a pass
+# fresh variables: no write leaves a pass
+def merge(graphdef, params, rest) -> ActorCritic:
     return nnx.merge(graphdef, params, rest, copy=True)
 
 
@@ -660,9 +650,8 @@ def compute_gae(t: Transition, next_values: jax.Array, args: Args):
 
 
 # ======================================= Loss replay =======================================
-class Batch(
-    NamedTuple
-):  # what one loss evaluation consumes (rollout_batch says in what shape)
+# what one loss evaluation consumes (rollout_batch says in what shape)
+class Batch(NamedTuple):
     obs: jax.Array
     carry: Any
     rollout_extras: Any
@@ -781,9 +770,8 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
 
 
 # ====================================== Training loop ======================================
-class TrainState(
-    NamedTuple
-):  # one seed's training: all that a stopped run resumes from
+# one seed's training: all that a stopped run resumes from
+class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     runner: Runner
@@ -1022,15 +1010,13 @@ def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
                 )
                 metrics[k][:, done : done + n] = v[:, :n]
             done += n
-            if (
-                not args.chunk_iterations
-            ):  # about a second a call: each call costs a few ms
+            # about a second a call: each call costs a few ms
+            if not args.chunk_iterations:
                 n = max(
                     1, min(args.chunk_size, round(n / max(time.time() - called, 1e-3)))
                 )
-            if (
-                jax.process_count() > 1
-            ):  # every host runs the chunks that process 0 runs
+            # every host runs the chunks that process 0 runs
+            if jax.process_count() > 1:
                 n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
             if (
                 on_chunk
@@ -1170,9 +1156,8 @@ def reserve_run_dir(args: Args) -> tuple[str, int]:
     return f"{prefix}{stamp}", stamp
 
 
-def try_mkdir(
-    path: str,
-) -> bool:  # False if it exists: mkdir is atomic, exists-then-mkdir is not
+# False if it exists: mkdir is atomic, exists-then-mkdir is not
+def try_mkdir(path: str) -> bool:
     try:
         os.mkdir(path)
         return True
@@ -1287,9 +1272,8 @@ def keep(run_dir: str, what: str, write) -> tuple[Optional[str], str]:
                 f"{folder}: {str(error).splitlines()[0][:160] or repr(error)}"
             )
             partials = f"{glob.escape(folder)}/**/*.orbax-checkpoint-tmp*"
-            for partial in glob.glob(
-                partials, recursive=True
-            ):  # Orbax's half-written folders
+            # Orbax's half-written folders
+            for partial in glob.glob(partials, recursive=True):
                 shutil.rmtree(partial, ignore_errors=True)
     return None, f"could not save {what}, lost: " + "; ".join(errors)
 
@@ -1424,9 +1408,8 @@ def train(args: Args, program, run_dir: str, first: int, meta: dict, wandb_runs:
             ),
         )
 
-    def after_chunk(
-        state, metrics, done, seconds
-    ):  # on the host, between compiled chunks
+    # on the host, between compiled chunks
+    def after_chunk(state, metrics, done, seconds):
         nonlocal logged, printed, saved_at, failure
         for i in range(logged, done):  # W&B: every iteration
             for seed_index, wandb_run in enumerate(wandb_runs):
@@ -1532,10 +1515,8 @@ def main(args: Args) -> None:
             failure = first_nonfinite(args, metrics, params)
     # save
     if args.save_model and not (failure or signum):
-
-        def write(
-            folder,
-        ):  # each seed's model, and the state with every iteration's metrics
+        # each seed's model, and the state with every iteration's metrics
+        def write(folder):
             save_model(folder, args, params, norm)
             save_state(folder, state, metrics, done, meta)
 
@@ -1574,9 +1555,8 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except (
-        KeyboardInterrupt
-    ):  # while compiling, saving or evaluating: training has its handler
+    # while compiling, saving or evaluating: training has its handler
+    except KeyboardInterrupt:
         print(
             "stopped by SIGINT outside training; what was saved is kept",
             file=sys.stderr,
