@@ -240,8 +240,8 @@ class StatefulModule(nnx.Module):
             for name in self.stateful
         }
 
-    # the carry of an env whose episode just ended
     def reset_state(self, carry: Any) -> Any:
+        """The carry of an env whose episode just ended."""
         return {
             name: getattr(self, name).reset_state(carry[name]) for name in self.stateful
         }
@@ -261,18 +261,17 @@ def flatten_steps(tree):  # [T, B, ...] -> [T * B, ...]
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
 
-# (next keys, keys to use)
 def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(next keys, keys to use)."""
     next_keys, use_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
     return next_keys, use_keys
 
 
-# row b from keys[b] alone
 def normal_per_env(keys: jax.Array, like: jax.Array) -> jax.Array:
+    """Row b from keys[b] alone."""
     noise = jax.vmap(lambda key: jax.random.normal(key, like.shape[1:]))(keys)
-    return jax.lax.optimization_barrier(
-        noise
-    )  # drawn once: XLA copied it into each consumer
+    # drawn once: XLA copied it into each consumer
+    return jax.lax.optimization_barrier(noise)
 
 
 class KeyCarryModule(StatefulModule):
@@ -490,8 +489,8 @@ def observe(obs: jax.Array, args: Args, norm: Optional[Norm] = None) -> jax.Arra
     )
 
 
-# mean and variance over axis 0
 def moments(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean and variance over axis 0."""
     mean = x.mean(0)
     return mean, ((x - mean) ** 2).mean(0)
 
@@ -509,8 +508,8 @@ def new_moments(x: jax.Array) -> dict:
     return dict(mean=jnp.zeros_like(x), var=jnp.ones_like(x), count=jnp.array(1e-4))
 
 
-# having seen the reset observations, as gym
 def init_norm(obs: jax.Array, args: Args) -> Norm:
+    """Having seen the reset observations, as gym."""
     norm_obs = new_moments(obs[0])
     if args.norm_obs:
         norm_obs = update_moments(norm_obs, obs)
@@ -559,8 +558,9 @@ class Runner(NamedTuple):  # what the rollout carries from one iteration to the 
     norm: Norm
 
 
-# one step of every env; the rollout stacks them into [T, B, ...]
 class Transition(NamedTuple):
+    """One step of every env; the rollout stacks them into [T, B, ...]."""
+
     obs: jax.Array
     carry: Any  # the carry the network was called with
     rollout_extras: Any  # the raw sampled actions, keyed like the carry
@@ -569,14 +569,13 @@ class Transition(NamedTuple):
     terminated: jax.Array
     truncated: jax.Array
     final_obs: jax.Array  # the observation the step led to, before any auto-reset
-    episode_return: (
-        jax.Array
-    )  # of the episode that ended at this step (unscaled), else 0
+    # of the episode that ended at this step (unscaled), else 0
+    episode_return: jax.Array
     episode_length: jax.Array
 
 
-# fresh variables: no write leaves a pass
 def merge(graphdef, params, rest) -> ActorCritic:
+    """Fresh variables: no write leaves a pass."""
     return nnx.merge(graphdef, params, rest, copy=True)
 
 
@@ -650,8 +649,9 @@ def compute_gae(t: Transition, next_values: jax.Array, args: Args):
 
 
 # ======================================= Loss replay =======================================
-# what one loss evaluation consumes (rollout_batch says in what shape)
 class Batch(NamedTuple):
+    """What one loss evaluation consumes (rollout_batch says in what shape)."""
+
     obs: jax.Array
     carry: Any
     rollout_extras: Any
@@ -770,8 +770,9 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
 
 
 # ====================================== Training loop ======================================
-# one seed's training: all that a stopped run resumes from
 class TrainState(NamedTuple):
+    """One seed's training: all that a stopped run resumes from."""
+
     params: Any
     opt_state: Any
     runner: Runner
@@ -829,9 +830,8 @@ def make_chunk(args: Args):
         explained = jnp.where(
             returns_var > 0, 1.0 - residual_var / returns_var, jnp.nan
         )
-        metrics["charts/episodic_return"] = (
-            t.episode_return.sum() / episodes
-        )  # NaN: none ended
+        # NaN: none ended
+        metrics["charts/episodic_return"] = t.episode_return.sum() / episodes
         metrics["charts/episodic_length"] = t.episode_length.sum() / episodes
         metrics["charts/learning_rate"] = learning_rate(state.iteration)
         metrics["losses/explained_variance"] = explained
@@ -890,9 +890,8 @@ def devices(args: Args) -> list:
             f"{name} {n} must be a multiple of the {jax.device_count()} devices "
             "(CUDA_VISIBLE_DEVICES or JAX_PLATFORMS=cpu can show fewer)"
         )
-    return sorted(
-        jax.devices(), key=lambda d: d.process_index
-    )  # each host's seeds in a row
+    # each host's seeds in a row
+    return sorted(jax.devices(), key=lambda d: d.process_index)
 
 
 def over_seeds(f, per_seed):
@@ -985,9 +984,8 @@ def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
     compile seconds, seconds of each of `repeats` runs). `program` is compile_run's.
     `on_chunk(state, metrics, done, seconds)` runs on the host after each chunk: False stops."""
     init, chunk, compile_s = program or compile_run(args)
-    steps = args.batch_size * np.arange(
-        1, args.num_iterations + 1, dtype=np.int64
-    )  # no wrap
+    # no wrap
+    steps = args.batch_size * np.arange(1, args.num_iterations + 1, dtype=np.int64)
     waiter = concurrent.futures.ThreadPoolExecutor(1)
     train_s = []
     for _ in range(repeats):
@@ -1040,9 +1038,8 @@ def evaluate(args: Args, params, norm: Norm) -> np.ndarray:
     def episodes(seed, params, norm):
         key = jax.random.fold_in(jax.random.key(seed), 1)
         model_key, env_key, key = jax.random.split(key, 3)
-        model = build_model(
-            args, env, env_params, nnx.Rngs(model_key)
-        )  # its Params replaced
+        # its Params replaced
+        model = build_model(args, env, env_params, nnx.Rngs(model_key))
         carry = model.initialize_state(n)
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
         obs, env_state = env_reset(jax.random.split(env_key, n), env_params)
@@ -1089,6 +1086,7 @@ def load_run(cli: Args):
     """(Args, params, norm) of the run saved at --eval-checkpoint, seeds stacked."""
     check_args(cli)  # the flags given, before the saved ones
     path = cli.eval_checkpoint
+    # this evaluation's own flags
     own = (
         "eval_checkpoint",
         "eval_episodes",
@@ -1096,7 +1094,7 @@ def load_run(cli: Args):
         "track",
         "wandb_project_name",
         "wandb_entity",
-    )  # this evaluation's own flags
+    )
     refuse_changes(cli, "eval_checkpoint", own)
     if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "seed_*")):
         if os.path.basename(os.path.normpath(path)).startswith("seed_"):
@@ -1119,11 +1117,12 @@ def load_run(cli: Args):
         like = nnx.state(model, nnx.Param)
         seeds = []
         for seed in args.seeds:
+            # norm: as dicts
             items = restore(
                 f"{path}/seed_{seed}",
                 params=ocp.args.StandardRestore(like),
                 norm=ocp.args.StandardRestore(),
-            )  # norm: as dicts
+            )
             seeds.append((items["params"], Norm(**items["norm"])))
         return args, *jax.tree.map(lambda *x: jnp.stack(x), *seeds)
     except Exception as error:  # missing, corrupt, another script's
@@ -1156,8 +1155,8 @@ def reserve_run_dir(args: Args) -> tuple[str, int]:
     return f"{prefix}{stamp}", stamp
 
 
-# False if it exists: mkdir is atomic, exists-then-mkdir is not
 def try_mkdir(path: str) -> bool:
+    """False if it exists: mkdir is atomic, exists-then-mkdir is not."""
     try:
         os.mkdir(path)
         return True
@@ -1194,6 +1193,7 @@ def load_stopped(cli: Args) -> tuple[Args, dict]:
     """(Args, meta) of the stopped run at --resume; meta["done"]: the iterations it ran."""
     check_args(cli)
     path = cli.resume
+    # flags that leave the run's numbers alone
     own = (
         "resume",
         "save_model",
@@ -1201,7 +1201,7 @@ def load_stopped(cli: Args) -> tuple[Args, dict]:
         "chunk_iterations",
         "eval_episodes",
         "eval_deterministic",
-    )  # flags that leave the run's numbers alone
+    )
     refuse_changes(cli, "resume", own)
     if not os.path.isdir(os.path.join(path, "state")):
         raise ValueError(
@@ -1307,13 +1307,13 @@ def first_nonfinite(args: Args, metrics: dict, params=None) -> Optional[str]:
         for k in metrics
         if k.startswith("losses/") and k != "losses/explained_variance"
     ]
-    bad = np.stack(
-        [~np.isfinite(np.asarray(metrics[k])) for k in names], -1
-    )  # [seed, i, name]
+    # [seed, i, name]
+    bad = np.stack([~np.isfinite(np.asarray(metrics[k])) for k in names], -1)
+    # [seed]
     bad_params = np.any(
         [~np.isfinite(x.reshape(len(x), -1)).all(-1) for x in jax.tree.leaves(params)],
         axis=0,
-    )  # [seed]
+    )
     if bad.any():
         seed, i, k = min(zip(*np.nonzero(bad)), key=lambda sik: sik[1:])  # the earliest
         what = f"{names[k]} is {float(metrics[names[k]][seed, i])}"
@@ -1374,9 +1374,8 @@ def progress(args: Args, metrics: dict, done: int, first: int, seconds: float) -
     """The console line after `done` iterations, `seconds` after resuming from `first`."""
     step, total = done * args.batch_size, args.num_iterations * args.batch_size
     returns = metrics["charts/episodic_return"][:, :done]
-    last = np.where(np.isnan(returns), -1, np.arange(done)).max(
-        -1
-    )  # an episode ended there
+    # an episode ended there
+    last = np.where(np.isnan(returns), -1, np.arange(done)).max(-1)
     latest = np.where(last >= 0, returns[np.arange(len(returns)), last], np.nan)
     left = seconds * (args.num_iterations - done) / (done - first)
     sps = (done - first) * args.batch_size * args.num_seeds / seconds
@@ -1408,8 +1407,8 @@ def train(args: Args, program, run_dir: str, first: int, meta: dict, wandb_runs:
             ),
         )
 
-    # on the host, between compiled chunks
     def after_chunk(state, metrics, done, seconds):
+        """On the host, between compiled chunks."""
         nonlocal logged, printed, saved_at, failure
         for i in range(logged, done):  # W&B: every iteration
             for seed_index, wandb_run in enumerate(wandb_runs):
@@ -1515,8 +1514,9 @@ def main(args: Args) -> None:
             failure = first_nonfinite(args, metrics, params)
     # save
     if args.save_model and not (failure or signum):
-        # each seed's model, and the state with every iteration's metrics
+
         def write(folder):
+            """Each seed's model, and the state with every iteration's metrics."""
             save_model(folder, args, params, norm)
             save_state(folder, state, metrics, done, meta)
 
