@@ -50,81 +50,46 @@ from jax.sharding import PartitionSpec as P
 # ======================================== Arguments ========================================
 @dataclasses.dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[
-        : -len(".py")
-    ]  # the name of this experiment
+    # tyro reads each field's trailing comment as its --help: kept on one line
+    # fmt: off
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
     seed: int = 1  # seed of the experiment (with --num-seeds N: seed .. seed+N-1)
-    track: bool = (
-        False  # if toggled, this experiment will be tracked with Weights and Biases
-    )
+    track: bool = False  # if toggled, this experiment will be tracked with Weights and Biases
     wandb_project_name: str = "ppo-nnx"  # the wandb's project name
     wandb_entity: Optional[str] = None  # the entity (team) of wandb's project
     env_id: str = "CartPole-v1"  # the id of the gymnax environment
-    mask_velocity: bool = (
-        False  # hide velocities (CartPole-v1, Pendulum-v1): needs memory
-    )
+    mask_velocity: bool = False  # hide velocities (CartPole-v1, Pendulum-v1): needs memory
     total_timesteps: int = 500_000  # total env steps of the experiment (per seed)
     learning_rate: float = 2.5e-4  # the learning rate of the optimizer
     num_envs: int = 4  # the number of parallel game environments
-    num_steps: int = (
-        128  # the number of steps to run in each environment per policy rollout
-    )
-    anneal_lr: bool = (
-        True  # toggle learning rate annealing for policy and value networks
-    )
+    num_steps: int = 128  # the number of steps to run in each environment per policy rollout
+    anneal_lr: bool = True  # toggle learning rate annealing for policy and value networks
     gamma: float = 0.99  # the discount factor gamma
     gae_lambda: float = 0.95  # the lambda for the general advantage estimation
     num_minibatches: int = 4  # the number of mini-batches
     update_epochs: int = 4  # the K epochs to update the policy
     norm_adv: bool = True  # toggles advantages normalization
     clip_coef: float = 0.2  # the surrogate clipping coefficient
-    clip_vloss: bool = (
-        True  # toggles whether or not to use a clipped loss for the value function
-    )
+    clip_vloss: bool = True  # toggles whether or not to use a clipped loss for the value function
     ent_coef: float = 0.01  # coefficient of the entropy
     vf_coef: float = 0.5  # coefficient of the value function
     max_grad_norm: float = 0.5  # the maximum norm for the gradient clipping
-    num_seeds: int = (
-        1  # seeds trained at once by jax.vmap, in one compiled program, over devices
-    )
-    shard_envs: bool = (
-        False  # one agent per seed, its envs split over all devices (data parallel)
-    )
+    num_seeds: int = 1  # seeds trained at once by jax.vmap, in one compiled program, over devices
+    shard_envs: bool = False  # one agent per seed, its envs split over all devices (data parallel)
     hidden_size: int = 64  # width of the hidden layers
-    activation: Literal["tanh", "relu"] = (
-        "tanh"  # the hidden layers' nonlinearity (CleanRL: tanh)
-    )
-    latent_size: int = (
-        0  # size of the VariationalBottleneck in the actor (0 = no bottleneck)
-    )
+    activation: Literal["tanh", "relu"] = "tanh"  # the hidden layers' nonlinearity (CleanRL: tanh)
+    latent_size: int = 0  # size of the VariationalBottleneck in the actor (0 = no bottleneck)
     kl_coef: float = 1e-3  # weight of the bottleneck's KL to N(0, I) in the loss
-    norm_obs: Optional[bool] = (
-        None  # normalize observations (None: if actions are continuous)
-    )
-    norm_reward: Optional[bool] = (
-        None  # scale rewards by the return's std (None: as above)
-    )
-    save_model: bool = (
-        False  # save each seed's model and the training state to `runs/{run_name}`
-    )
-    save_every: int = (
-        0  # also save the training state every N iterations (0: when stopped only)
-    )
-    resume: Optional[str] = (
-        None  # continue the stopped run saved in this `runs/{run_name}`
-    )
-    chunk_iterations: int = (
-        0  # iterations per compiled call; logs, saves, Ctrl-C between (0: ~1 s)
-    )
-    eval_episodes: int = (
-        0  # episodes per seed to evaluate the trained policy on (0: none)
-    )
-    eval_deterministic: bool = (
-        False  # evaluate the most likely action (a bottleneck still samples)
-    )
-    eval_checkpoint: Optional[str] = (
-        None  # evaluate this saved `runs/{run_name}`, no training
-    )
+    norm_obs: Optional[bool] = None  # normalize observations (None: if actions are continuous)
+    norm_reward: Optional[bool] = None  # scale rewards by the return's std (None: as above)
+    save_model: bool = False  # save each seed's model and the training state to `runs/{run_name}`
+    save_every: int = 0  # also save the training state every N iterations (0: when stopped only)
+    resume: Optional[str] = None  # continue the stopped run saved in this `runs/{run_name}`
+    chunk_iterations: int = 0  # iterations per compiled call; logs, saves, Ctrl-C between (0: ~1 s)
+    eval_episodes: int = 0  # episodes per seed to evaluate the trained policy on (0: none)
+    eval_deterministic: bool = False  # evaluate the most likely action (a bottleneck still samples)
+    eval_checkpoint: Optional[str] = None  # evaluate this saved `runs/{run_name}`, no training
+    # fmt: on
 
     @property
     def batch_size(self) -> int:
@@ -698,7 +663,7 @@ def ppo_loss(graphdef, params, rest, batch: Batch, args: Args):
     ratio = jnp.exp(log_ratio)
     advantage = batch.advantage
     if args.norm_adv:
-        mean, var = moments(advantage)
+        mean, var = moments(advantage.reshape(-1))  # over the whole minibatch
         advantage = (advantage - mean) / (jnp.sqrt(var) + 1e-8)
     clipped_ratio = jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
     policy_loss = jnp.maximum(-advantage * ratio, -advantage * clipped_ratio).mean()
@@ -932,18 +897,16 @@ def compile_run(args: Args):
     def placed(x):  # the runner's [seed, env, ...] arrays split envs too
         return per_env if x.ndim > 1 and x.shape[1] == args.num_envs else seeds
 
-    seed_index = (
-        jax.make_array_from_callback(  # on every host, the seeds of its own devices
-            (args.num_seeds,), seeds, lambda i: np.arange(args.num_seeds)[i]
-        )
+    # on every host, the seeds of its own devices
+    seed_index = jax.make_array_from_callback(
+        (args.num_seeds,), seeds, lambda i: np.arange(args.num_seeds)[i]
     )
     state = jax.eval_shape(init_seeds, seed_index)
     shardings = jax.tree.map(lambda _: seeds, state)
     shardings = shardings._replace(runner=jax.tree.map(placed, state.runner))
     start = time.time()
-    init_seeds = (
-        jax.jit(init_seeds, out_shardings=shardings).lower(seed_index).compile()
-    )
+    init_seeds = jax.jit(init_seeds, out_shardings=shardings)
+    init_seeds = init_seeds.lower(seed_index).compile()
     replicated = NamedSharding(mesh, P())  # the metrics, for every host to read
     chunk_seeds = jax.jit(chunk_seeds, out_shardings=(shardings, replicated))
     chunk_seeds = chunk_seeds.lower(init_seeds.out_info, args.chunk_size).compile()

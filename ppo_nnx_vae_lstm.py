@@ -8,6 +8,9 @@ every draw comes from a per-env key in the network's carry, stored and sliced wi
 every sampled action is stored in `rollout_extras` and re-scored, never re-sampled.
 With memory, the carry also holds the LSTM state: replay re-runs whole sequences from the stored
 start carry, resetting where the rollout reset. `diff` this file with ppo_nnx.py to see the cost.
+
+The algorithm is one device's program for one seed; `compile_run` places seeds and envs on
+devices, and the compiler inserts what they exchange.
 """
 
 import concurrent.futures
@@ -22,15 +25,18 @@ import signal
 import sys
 import tempfile
 import time
-from collections import namedtuple
 from typing import Any, Literal, NamedTuple, Optional
 
 import jax
 
-if "JAX_COORDINATOR_ADDRESS" in os.environ:  # many hosts: see the README (None: SLURM's, MPI's)
-    jax.distributed.initialize(None, *[int(os.environ[k]) if k in os.environ else None
-                                       for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")])
-import gymnax  # after jax.distributed: importing gymnax starts jax's backend
+# many hosts: jax.distributed starts before gymnax, whose import starts jax's backend;
+# unset numbers are found from SLURM's or Open MPI's variables
+if "JAX_COORDINATOR_ADDRESS" in os.environ:
+    count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+    jax.distributed.initialize(
+        num_processes=count and int(count), process_id=index and int(index)
+    )
+import gymnax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -39,15 +45,15 @@ import tyro
 from flax import nnx
 from gymnax.environments import spaces
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-# Shardy (jax 0.11) fails to lower Philox's mulhi inside shard_map: partition with GSPMD
-jax.config.update("jax_use_shardy_partitioner", False)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 # ======================================== Arguments ========================================
 @dataclasses.dataclass
 class Args:
+    # tyro reads each field's trailing comment as its --help: kept on one line
+    # fmt: off
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # the name of this experiment
     seed: int = 1  # seed of the experiment (with --num-seeds N: seed .. seed+N-1)
     track: bool = False  # if toggled, this experiment will be tracked with Weights and Biases
@@ -86,69 +92,94 @@ class Args:
     eval_episodes: int = 0  # episodes per seed to evaluate the trained policy on (0: none)
     eval_deterministic: bool = False  # evaluate the most likely action (a bottleneck still samples)
     eval_checkpoint: Optional[str] = None  # evaluate this saved `runs/{run_name}`, no training
+    # fmt: on
 
-    batch_size = property(lambda self: self.num_envs * self.num_steps)
-    seeds = property(lambda self: range(self.seed, self.seed + self.num_seeds))
-    num_iterations = property(lambda self: self.total_timesteps // self.batch_size)
-    chunk_size = property(lambda self: self.chunk_iterations or min(self.num_iterations, 1000))
-    env_axis = property(lambda self: "envs" if self.shard_envs else ())  # to average over devices
-    local_envs = property(lambda self: self.num_envs // (jax.device_count() if self.shard_envs
-                                                         else 1))  # the envs of one device
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def num_iterations(self) -> int:
+        return self.total_timesteps // self.batch_size
+
+    @property
+    def seeds(self) -> range:
+        return range(self.seed, self.seed + self.num_seeds)
+
+    @property
+    def chunk_size(self) -> int:  # the most iterations one compiled call runs
+        return self.chunk_iterations or min(self.num_iterations, 1000)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def check_args(args: Args) -> Args:
     """Reject, naming the flag, what would fail deep in JAX or train silently wrong; fill Nones."""
-    for rule, ok, names in [
-            ("> 0", lambda v: v > 0, "total_timesteps num_envs num_steps num_minibatches "
-                                     "update_epochs num_seeds hidden_size lstm_size"),
-            (">= 0", lambda v: v >= 0,  # NaN fails too
-             "latent_size learning_rate clip_coef ent_coef vf_coef max_grad_norm kl_coef "
-             "eval_episodes save_every chunk_iterations"),
-            ("in [0, 1]", lambda v: 0 <= v <= 1, "gamma gae_lambda")]:
+    counts = (
+        "total_timesteps num_envs num_steps num_minibatches update_epochs num_seeds"
+    )
+    coefs = "learning_rate clip_coef ent_coef vf_coef max_grad_norm kl_coef"
+    optional = "latent_size eval_episodes save_every chunk_iterations"
+    for names, low, high, rule in [
+        (f"{counts} hidden_size lstm_size", 1, math.inf, "> 0"),
+        (f"{coefs} {optional}", 0, math.inf, ">= 0"),
+        ("gamma gae_lambda", 0, 1, "in [0, 1]"),
+    ]:
         for name in names.split():
-            if not ok(getattr(args, name)):
-                raise ValueError(f"--{name.replace('_', '-')} must be {rule}, "
-                                 f"got {getattr(args, name)}")
+            value = getattr(args, name)
+            if not low <= value <= high:  # NaN fails too
+                raise ValueError(f"{flag(name)} must be {rule}, got {value}")
     if args.activation not in ACTIVATIONS:
-        raise ValueError(f"--activation must be one of {', '.join(ACTIVATIONS)}, got "
-                         f"{args.activation!r}")
-    if not (args.eval_checkpoint or args.resume):  # a saved run: its own flags are checked
-        devices(args)
-        if args.local_envs % args.num_minibatches:
-            raise ValueError(f"--num-minibatches {args.num_minibatches} must divide --num-envs "
-                             f"{args.num_envs} ({args.local_envs} per device): whole env sequences")
+        choices = ", ".join(ACTIVATIONS)
+        raise ValueError(
+            f"--activation must be one of {choices}, got {args.activation!r}"
+        )
     if args.total_timesteps < args.batch_size:
-        raise ValueError(f"--total-timesteps {args.total_timesteps} is below one batch "
-                         f"(--num-envs * --num-steps = {args.batch_size})")
+        raise ValueError(
+            f"--total-timesteps {args.total_timesteps} is below one batch "
+            f"(--num-envs * --num-steps = {args.batch_size})"
+        )
+    if args.num_envs % args.num_minibatches:
+        raise ValueError(
+            f"--num-minibatches {args.num_minibatches} must divide --num-envs "
+            f"{args.num_envs}: minibatches hold whole env sequences"
+        )
+    if args.norm_adv and args.batch_size // args.num_minibatches < 2:
+        raise ValueError(
+            f"--num-minibatches {args.num_minibatches} leaves one sample per minibatch, "
+            "whose normalized advantage is 0: use fewer, or --no-norm-adv"
+        )
     updates = args.num_iterations * args.update_epochs * args.num_minibatches
     if updates >= 2**31:  # optax counts them in int32
-        raise ValueError(f"--total-timesteps {args.total_timesteps} makes {updates:,} gradient "
-                         f"steps, above the {2**31 - 1:,} that optax can count")
+        raise ValueError(
+            f"--total-timesteps {args.total_timesteps} makes {updates:,} gradient steps, "
+            f"above the {2**31 - 1:,} that optax can count"
+        )
     if not -(2**31) <= args.seed <= 2**31 - args.num_seeds:  # JAX seeds are int32
         raise ValueError(f"--seed {args.seed} must be in [-2**31, 2**31 - --num-seeds]")
-    if args.norm_adv and args.batch_size // args.num_minibatches < 2:
-        raise ValueError(f"--num-minibatches {args.num_minibatches} leaves one sample per "
-                         "minibatch, whose normalized advantage is 0: use fewer, or --no-norm-adv")
-    if args.exp_name in ("", ".", "..") or os.path.basename(args.exp_name) != args.exp_name:
-        raise ValueError(f"--exp-name {args.exp_name!r} must be a plain name: it names a folder in "
-                         "runs/")
+    if (
+        args.exp_name in ("", ".", "..")
+        or os.path.basename(args.exp_name) != args.exp_name
+    ):
+        raise ValueError(
+            f"--exp-name {args.exp_name!r} must be a plain name: it names a folder in runs/"
+        )
     if args.resume and args.eval_checkpoint:
-        raise ValueError("--resume trains and --eval-checkpoint does not: give one of them")
+        raise ValueError(
+            "--resume trains and --eval-checkpoint does not: give one of them"
+        )
+    # a saved run was placed when it trained
+    if not (args.eval_checkpoint or args.resume):
+        devices(args)
     env, env_params = make_env(args)
-    on = not isinstance(env.action_space(env_params), spaces.Discrete)
-    return dataclasses.replace(args, **{k: on for k in ("norm_obs", "norm_reward")
-                                        if getattr(args, k) is None})
-
-
-def devices(args: Args) -> list:
-    """The devices (of all hosts) sharing the seeds or, with --shard-envs, the envs equally."""
-    n, flag = (args.num_envs, "num-envs") if args.shard_envs else (args.num_seeds, "num-seeds")
-    if n == 1 and not args.shard_envs and jax.process_count() == 1:
-        return jax.devices()[:1]
-    if n % jax.device_count():
-        raise ValueError(f"--{flag} {n} must be a multiple of the {jax.device_count()} devices "
-                         "(CUDA_VISIBLE_DEVICES or JAX_PLATFORMS=cpu can show fewer)")
-    return sorted(jax.devices(), key=lambda d: d.process_index)  # each host's seeds in a row
+    continuous = not isinstance(env.action_space(env_params), spaces.Discrete)
+    return dataclasses.replace(
+        args,
+        norm_obs=continuous if args.norm_obs is None else args.norm_obs,
+        norm_reward=continuous if args.norm_reward is None else args.norm_reward,
+    )
 
 
 # ========================================= Modules =========================================
@@ -168,15 +199,24 @@ class StatefulModule(nnx.Module):
     it never writes a variable that shapes its output. A container names its stateful children in
     `stateful`; its carry holds an entry for each.
     """
+
     stateful: tuple = ()
 
     def initialize_state(self, batch_size: int) -> Any:
-        return {name: getattr(self, name).initialize_state(batch_size) for name in self.stateful}
+        return {
+            name: getattr(self, name).initialize_state(batch_size)
+            for name in self.stateful
+        }
 
-    def reset_state(self, carry: Any) -> Any:  # the carry of an env whose episode just ended
-        return {n: getattr(self, n).reset_state(carry[n]) for n in self.stateful} or carry
+    def reset_state(self, carry: Any) -> Any:
+        """The carry of an env whose episode just ended."""
+        return {
+            name: getattr(self, name).reset_state(carry[name]) for name in self.stateful
+        }
 
-    def unroll(self, carry: Any, xs: Any, done: jax.Array, rollout_extras: Any = None) -> Output:
+    def unroll(
+        self, carry: Any, xs: Any, done: jax.Array, rollout_extras=None
+    ) -> Output:
         """T calls on [T, B, ...] from `carry`, reset after `done` steps (`next_state`: before the
         reset). Loss replay runs this; overrides batch what does not depend on the last step."""
 
@@ -190,25 +230,34 @@ class StatefulModule(nnx.Module):
 
 def carry_after_step(module: StatefulModule, next_state: Any, done: jax.Array) -> Any:
     """The next step's carry: reset in the envs whose episode ended (`done`, [B])."""
-    return jax.tree.map(lambda r, k: jnp.where(done.reshape(done.shape + (1,) * (k.ndim - 1)),
-                                               r, k), module.reset_state(next_state), next_state)
 
+    def select(reset, kept):
+        done_rows = done.reshape(done.shape + (1,) * (kept.ndim - 1))
+        return jnp.where(done_rows, reset, kept)
 
-def rows(layer, x: jax.Array) -> jax.Array:  # layer on [T, B, n] as [T * B, n]: a 3-D dot's
-    return layer(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (-1,))  # gradient is slow
+    return jax.tree.map(select, module.reset_state(next_state), next_state)
 
 
 def flatten_steps(tree):  # [T, B, ...] -> [T * B, ...]
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
 
-def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:  # (next keys, keys to use)
-    return tuple(jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0))
+def rows(layer, x: jax.Array) -> jax.Array:
+    """`layer` on [T, B, n] as [T * B, n]: the gradient of a 3-D dot is slow."""
+    return layer(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1] + (-1,))
 
 
-def normal_per_env(keys: jax.Array, like: jax.Array) -> jax.Array:  # row b from keys[b] alone
+def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(next keys, keys to use)."""
+    next_keys, use_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    return next_keys, use_keys
+
+
+def normal_per_env(keys: jax.Array, like: jax.Array) -> jax.Array:
+    """Row b from keys[b] alone."""
     noise = jax.vmap(lambda key: jax.random.normal(key, like.shape[1:]))(keys)
-    return jax.lax.optimization_barrier(noise)  # drawn once: XLA copied it into each consumer
+    # drawn once: XLA copied it into each consumer
+    return jax.lax.optimization_barrier(noise)
 
 
 class KeyCarryModule(StatefulModule):
@@ -222,63 +271,47 @@ class KeyCarryModule(StatefulModule):
     def initialize_state(self, batch_size: int) -> jax.Array:
         return jax.random.split(self.rngs(), batch_size)
 
+    def reset_state(self, carry: jax.Array) -> jax.Array:
+        return carry
+
     def unroll(self, carry, xs, done, rollout_extras=None):
         """All T steps in one call on [T * B] rows: the keys do not depend on the inputs."""
 
         def advance(key, done):
             return carry_after_step(self, split_per_env(key)[0], done), key
 
-        keys = jax.lax.scan(advance, carry, done)[1]
-        out = self(flatten_steps(keys), flatten_steps(xs), flatten_steps(rollout_extras))
-        steps = lambda tree: jax.tree.map(lambda x: x.reshape(done.shape + x.shape[1:]), tree)
-        return Output(*map(steps, out[:3]), out.metrics, steps(out.rollout_extras))
+        _, keys = jax.lax.scan(advance, carry, done)
+        out = self(
+            flatten_steps(keys), flatten_steps(xs), flatten_steps(rollout_extras)
+        )
+
+        def steps(tree):  # [T * B, ...] -> [T, B, ...]
+            return jax.tree.map(lambda x: x.reshape(done.shape + x.shape[1:]), tree)
+
+        return out._replace(
+            next_state=steps(out.next_state),
+            output=steps(out.output),
+            regularization_loss=steps(out.regularization_loss),
+            rollout_extras=steps(out.rollout_extras),
+        )
 
 
 ACTIVATIONS = {"tanh": jnp.tanh, "relu": jax.nn.relu}  # --activation
 
 
-def mlp(sizes: list[int], out_scale: float, activation, rngs: nnx.Rngs) -> nnx.Sequential:
-    """Linear layers with `activation` between them, CleanRL's orthogonal initialization."""
-    scales = [math.sqrt(2)] * (len(sizes) - 2) + [out_scale]
-    layers = [nnx.Linear(n_in, n_out, kernel_init=nnx.initializers.orthogonal(scale),
-                         bias_init=nnx.initializers.zeros_init(), rngs=rngs)
-              for n_in, n_out, scale in zip(sizes[:-1], sizes[1:], scales)]
-    return nnx.Sequential(*[f for layer in layers for f in (layer, activation)][:-1])
-
-
-class LSTM(StatefulModule):
-    """nnx's LSTM cell behind the protocol: the carry (cell, hidden) resets to zeros."""
-
-    def __init__(self, in_size: int, lstm_size: int, rngs: nnx.Rngs):
-        self.cell = nnx.OptimizedLSTMCell(in_size, lstm_size, rngs=rngs)
-        self.lstm_size = lstm_size
-
-    def initialize_state(self, batch_size):
-        return (jnp.zeros((batch_size, self.lstm_size)),) * 2
-
-    def reset_state(self, carry):
-        return jax.tree.map(jnp.zeros_like, carry)
-
-    def cell_step(self, carry, projected_x):  # OptimizedLSTMCell's arithmetic, dense_i(x) given
-        c, h = carry
-        i, f, g, o = jnp.split(projected_x + self.cell.dense_h(h), 4, axis=-1)
-        c = self.cell.gate_fn(f) * c + self.cell.gate_fn(i) * self.cell.activation_fn(g)
-        return c, self.cell.gate_fn(o) * self.cell.activation_fn(c)
-
-    def __call__(self, carry, x, rollout_extras=None):
-        c, h = self.cell_step(carry, self.cell.dense_i(x))
-        return Output((c, h), h, jnp.zeros(x.shape[0]), {}, ())
-
-    def unroll(self, carry, xs, done, rollout_extras=None):
-        """The input product of all T steps at once; only the recurrent product steps in time."""
-
-        def step(carry, inputs):
-            projected_x, done = inputs
-            next_carry = self.cell_step(carry, projected_x)
-            return carry_after_step(self, next_carry, done), next_carry
-
-        next_carries = jax.lax.scan(step, carry, (rows(self.cell.dense_i, xs), done))[1]
-        return Output(next_carries, next_carries[1], jnp.zeros(done.shape), {}, ())
+def mlp(
+    sizes: list[int], out_scale: float, activation, rngs: nnx.Rngs
+) -> nnx.Sequential:
+    """Linear layers from sizes[0] to sizes[-1], `activation` after each but the last, with
+    CleanRL's orthogonal initialization (the last layer's scale: `out_scale`)."""
+    layers = []
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        last = i == len(sizes) - 2
+        kernel_init = nnx.initializers.orthogonal(out_scale if last else math.sqrt(2))
+        layers.append(nnx.Linear(n_in, n_out, kernel_init=kernel_init, rngs=rngs))
+        if not last:
+            layers.append(activation)
+    return nnx.Sequential(*layers)
 
 
 class VariationalBottleneck(KeyCarryModule):
@@ -292,10 +325,16 @@ class VariationalBottleneck(KeyCarryModule):
 
     def __call__(self, key, x, rollout_extras=None):
         next_key, noise_key = split_per_env(key)
-        mean, std = self.mean(x), jax.nn.softplus(self.pre_std(x)) + 1e-6
+        mean = self.mean(x)
+        std = jax.nn.softplus(self.pre_std(x)) + 1e-6
         kl = 0.5 * jnp.sum(mean**2 + std**2 - 1.0 - 2.0 * jnp.log(std), axis=-1)
-        return Output(next_key, mean + std * normal_per_env(noise_key, mean), self.kl_coef * kl,
-                      {"losses/kl": kl.mean()}, ())
+        return Output(
+            next_state=next_key,
+            output=mean + std * normal_per_env(noise_key, mean),
+            regularization_loss=self.kl_coef * kl,
+            metrics={"losses/kl": kl.mean()},
+            rollout_extras=(),
+        )
 
 
 class CategoricalSampler(KeyCarryModule):
@@ -303,14 +342,28 @@ class CategoricalSampler(KeyCarryModule):
 
     def __call__(self, key, logits, rollout_extras=None):
         next_key, sample_key = split_per_env(key)
-        action = (jax.vmap(jax.random.categorical)(sample_key, logits)
-                  if rollout_extras is None else rollout_extras)
+        if rollout_extras is None:
+            action = jax.vmap(jax.random.categorical)(sample_key, logits)
+        else:
+            action = rollout_extras
         log_probs = jax.nn.log_softmax(logits)
         # a one-hot product, not an index: its gradient avoids a slow scatter on CPU
-        log_prob = jnp.sum(jax.nn.one_hot(action, logits.shape[-1]) * log_probs, axis=-1)
+        log_prob = jnp.sum(
+            jax.nn.one_hot(action, logits.shape[-1]) * log_probs, axis=-1
+        )
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-        return Output(next_key, dict(action=action, log_prob=log_prob, entropy=entropy,
-                                     mode=logits.argmax(-1)), jnp.zeros_like(log_prob), {}, action)
+        return Output(
+            next_state=next_key,
+            output=dict(
+                action=action,
+                log_prob=log_prob,
+                entropy=entropy,
+                mode=logits.argmax(-1),
+            ),
+            regularization_loss=jnp.zeros_like(log_prob),
+            metrics={},
+            rollout_extras=action,
+        )
 
 
 class GaussianSampler(KeyCarryModule):
@@ -326,56 +379,139 @@ class GaussianSampler(KeyCarryModule):
         next_key, sample_key = split_per_env(key)
         log_std = self.log_std[...]
         std = jnp.exp(log_std)
-        raw = (mean + std * normal_per_env(sample_key, mean) if rollout_extras is None
-               else rollout_extras)
-        log_prob = jnp.sum(-0.5 * ((raw - mean) / std) ** 2 - log_std - 0.5 * math.log(2 * math.pi),
-                           axis=-1)
-        entropy = jnp.broadcast_to(jnp.sum(0.5 + 0.5 * math.log(2 * math.pi) + log_std),
-                                   log_prob.shape)
-        clip = lambda a: jnp.clip(a, jnp.asarray(self.low), jnp.asarray(self.high))
-        return Output(next_key, dict(action=clip(raw), log_prob=log_prob, entropy=entropy,
-                                     mode=clip(mean)), jnp.zeros_like(log_prob), {}, raw)
+        if rollout_extras is None:
+            raw = mean + std * normal_per_env(sample_key, mean)
+        else:
+            raw = rollout_extras
+        log_density = (
+            -0.5 * ((raw - mean) / std) ** 2 - log_std - 0.5 * math.log(2 * math.pi)
+        )
+        log_prob = jnp.sum(log_density, axis=-1)
+        entropy = jnp.sum(0.5 + 0.5 * math.log(2 * math.pi) + log_std)
+        low, high = jnp.asarray(self.low), jnp.asarray(self.high)
+        return Output(
+            next_state=next_key,
+            output=dict(
+                action=jnp.clip(raw, low, high),
+                log_prob=log_prob,
+                entropy=jnp.broadcast_to(entropy, log_prob.shape),
+                mode=jnp.clip(mean, low, high),
+            ),
+            regularization_loss=jnp.zeros_like(log_prob),
+            metrics={},
+            rollout_extras=raw,
+        )
+
+
+class LSTM(StatefulModule):
+    """nnx's LSTM cell behind the protocol: the carry (cell, hidden) resets to zeros."""
+
+    def __init__(self, in_size: int, lstm_size: int, rngs: nnx.Rngs):
+        self.cell = nnx.OptimizedLSTMCell(in_size, lstm_size, rngs=rngs)
+        self.lstm_size = lstm_size
+
+    def initialize_state(self, batch_size):
+        return (jnp.zeros((batch_size, self.lstm_size)),) * 2
+
+    def reset_state(self, carry):
+        return jax.tree.map(jnp.zeros_like, carry)
+
+    def cell_step(self, carry, projected_x):
+        """OptimizedLSTMCell's arithmetic, with its input product dense_i(x) given."""
+        c, h = carry
+        i, f, g, o = jnp.split(projected_x + self.cell.dense_h(h), 4, axis=-1)
+        c = self.cell.gate_fn(f) * c + self.cell.gate_fn(i) * self.cell.activation_fn(g)
+        return c, self.cell.gate_fn(o) * self.cell.activation_fn(c)
+
+    def __call__(self, carry, x, rollout_extras=None):
+        c, h = self.cell_step(carry, self.cell.dense_i(x))
+        return Output(
+            next_state=(c, h),
+            output=h,
+            regularization_loss=jnp.zeros(x.shape[0]),
+            metrics={},
+            rollout_extras=(),
+        )
+
+    def unroll(self, carry, xs, done, rollout_extras=None):
+        """The input product of all T steps at once; only the recurrent product steps in time."""
+
+        def step(carry, inputs):
+            projected_x, done = inputs
+            next_carry = self.cell_step(carry, projected_x)
+            return carry_after_step(self, next_carry, done), next_carry
+
+        inputs = (rows(self.cell.dense_i, xs), done)
+        _, next_carries = jax.lax.scan(step, carry, inputs)
+        return Output(
+            next_state=next_carries,
+            output=next_carries[1],
+            regularization_loss=jnp.zeros(done.shape),
+            metrics={},
+            rollout_extras=(),
+        )
 
 
 class ActorCritic(StatefulModule):
     """Encoder, LSTM, optional bottleneck, then actor and critic heads (values are random too)."""
 
-    def __init__(self, obs_size: int, action_head: int, sampler: StatefulModule, args: Args,
-                 rngs: nnx.Rngs):
-        h, act = args.hidden_size, ACTIVATIONS[args.activation]
-        self.encoder = mlp([obs_size, h], math.sqrt(2), act, rngs)
+    def __init__(
+        self, obs_size: int, action_head: int, sampler, args: Args, rngs: nnx.Rngs
+    ):
+        h, activation = args.hidden_size, ACTIVATIONS[args.activation]
+        encoder = mlp([obs_size, h], math.sqrt(2), activation, rngs)
+        # the encoder's features come activated, as the hidden layers' do
+        self.encoder = nnx.Sequential(*encoder.layers, activation)
         self.lstm = LSTM(h, args.lstm_size, rngs)
-        self.bottleneck = (VariationalBottleneck(args.lstm_size, args.latent_size, args.kl_coef,
-                                                 rngs) if args.latent_size else None)
-        self.actor_head = mlp([args.latent_size or args.lstm_size, h, action_head], 0.01, act,
-                              rngs)
+        features = args.latent_size or args.lstm_size
+        self.bottleneck = None  # built only if asked: its init draws from rngs
+        if args.latent_size:
+            self.bottleneck = nnx.data(
+                VariationalBottleneck(
+                    args.lstm_size, args.latent_size, args.kl_coef, rngs
+                )
+            )
+        self.actor_head = mlp([features, h, action_head], 0.01, activation, rngs)
         self.sampler = sampler
-        self.critic = mlp([args.latent_size or args.lstm_size, h, 1], 1.0, act, rngs)
-        self.activation = act
-        self.stateful = ("lstm",) + (("bottleneck",) if args.latent_size else ()) + ("sampler",)
+        self.critic = mlp([features, h, 1], 1.0, activation, rngs)
+        self.stateful = (
+            ("lstm", "bottleneck", "sampler")
+            if args.latent_size
+            else ("lstm", "sampler")
+        )
+
+    def value(self, carry, obs: jax.Array) -> jax.Array:
+        """V(obs), [B], from the state `carry`: the critic reads the LSTM's features."""
+        return self(carry, obs).output["value"]
+
+    def child(self, name: str, carry, x, extras: dict, done):
+        """Child `name` for one step or, given `done` [T, B], a whole sequence (`unroll`)."""
+        module = getattr(self, name)
+        if done is None:
+            return module(carry[name], x, extras[name])
+        return module.unroll(carry[name], x, done, extras[name])
 
     def __call__(self, carry, obs, rollout_extras=None, done=None):
-        """One step; or, given `done` [T, B], a whole sequence through the children's `unroll`."""
+        """One step on [B, ...]; or, given `done` [T, B], a whole sequence on [T, B, ...]."""
+        extras = rollout_extras or dict.fromkeys(self.stateful)
         outs = {}
-
-        def run(name, x):
-            extras = None if rollout_extras is None else rollout_extras[name]
-            child = getattr(self, name)
-            outs[name] = (child(carry[name], x, extras) if done is None
-                          else child.unroll(carry[name], x, done, extras))
-            return outs[name].output
-
-        hidden = run("lstm", self.activation(rows(self.encoder, obs)))
+        outs["lstm"] = self.child("lstm", carry, rows(self.encoder, obs), extras, done)
+        hidden = outs["lstm"].output
         if self.bottleneck is not None:
-            hidden = run("bottleneck", hidden)
-        output = dict(run("sampler", rows(self.actor_head, hidden)),
-                      value=rows(self.critic, hidden)[..., 0])
+            outs["bottleneck"] = self.child("bottleneck", carry, hidden, extras, done)
+            hidden = outs["bottleneck"].output
+        logits_or_mean = rows(self.actor_head, hidden)
+        outs["sampler"] = self.child("sampler", carry, logits_or_mean, extras, done)
+        output = dict(outs["sampler"].output, value=rows(self.critic, hidden)[..., 0])
         if self.bottleneck is not None:
             output["latent"] = hidden
-        return Output({n: out.next_state for n, out in outs.items()}, output,
-                      sum(out.regularization_loss for out in outs.values()),
-                      {k: v for out in outs.values() for k, v in out.metrics.items()},
-                      {n: out.rollout_extras for n, out in outs.items()})
+        return Output(
+            next_state={name: out.next_state for name, out in outs.items()},
+            output=output,
+            regularization_loss=sum(out.regularization_loss for out in outs.values()),
+            metrics={k: v for out in outs.values() for k, v in out.metrics.items()},
+            rollout_extras={name: out.rollout_extras for name, out in outs.items()},
+        )
 
 
 # ======================================= Environment =======================================
@@ -385,121 +521,175 @@ POSITIONS = {"CartPole-v1": [0, 2], "Pendulum-v1": [0, 1]}  # what --mask-veloci
 def make_env(args: Args):
     """gymnax.make, with errors that name the flag: (env, env_params)."""
     if args.env_id not in gymnax.registered_envs:
-        raise ValueError(f"--env-id {args.env_id!r} is not a gymnax environment; choose one of: "
-                         + ", ".join(gymnax.registered_envs))
+        choices = ", ".join(gymnax.registered_envs)
+        raise ValueError(
+            f"--env-id {args.env_id!r} is not a gymnax environment; choose one of: "
+            + choices
+        )
     if args.mask_velocity and args.env_id not in POSITIONS:
-        raise ValueError(f"--mask-velocity supports --env-id {' or '.join(POSITIONS)}, "
-                         f"not {args.env_id}")
+        raise ValueError(
+            f"--mask-velocity supports --env-id {' or '.join(POSITIONS)}, not {args.env_id}"
+        )
     try:
         return gymnax.make(args.env_id)
-    except Exception as error:  # e.g. an env that downloads its data, on an offline machine
-        raise ValueError(f"--env-id {args.env_id}: gymnax could not build it ({error})") from None
+    # e.g. an env that downloads its data, on an offline machine
+    except Exception as error:
+        raise ValueError(
+            f"--env-id {args.env_id}: gymnax could not build it ({error})"
+        ) from None
 
 
-def observe(obs: jax.Array, args: Args, norm=None) -> jax.Array:
+class Norm(NamedTuple):  # running moments, as gym's normalization wrappers keep them
+    obs: dict  # mean, var and count of the observations
+    ret: dict  # the same of the discounted returns
+    discounted: jax.Array  # each env's discounted return so far, [B]
+
+
+def observe(obs: jax.Array, args: Args, norm: Optional[Norm] = None) -> jax.Array:
     """[B, ...] env observations as [B, features] float32 inputs, masked with --mask-velocity and,
     given the statistics `norm`, normalized with --norm-obs."""
     obs = obs.reshape(obs.shape[0], -1).astype(jnp.float32)
-    obs = obs[:, POSITIONS[args.env_id]] if args.mask_velocity else obs
-    return (jnp.clip((obs - norm.obs["mean"]) / jnp.sqrt(norm.obs["var"] + 1e-8), -10, 10)
-            if norm is not None and args.norm_obs else obs)
+    if args.mask_velocity:
+        obs = obs[:, POSITIONS[args.env_id]]
+    if norm is None or not args.norm_obs:
+        return obs
+    return jnp.clip(
+        (obs - norm.obs["mean"]) / jnp.sqrt(norm.obs["var"] + 1e-8), -10, 10
+    )
 
 
-# Running moments (mean, var, count) of observations and of discounted returns, as gym's wrappers
-Norm = namedtuple("Norm", "obs ret discounted")  # and the discounted returns themselves, [B]
+def moments(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean and variance over axis 0."""
+    mean = x.mean(0)
+    return mean, ((x - mean) ** 2).mean(0)
 
 
-def moments(x: jax.Array, args: Args):  # (mean, variance) over axis 0 and the envs of all devices
-    mean = jax.lax.pmean(x.mean(0), args.env_axis)
-    return mean, jax.lax.pmean(((x - mean) ** 2).mean(0), args.env_axis)
+def update_moments(m: dict, x: jax.Array) -> dict:  # merged with a batch x, [B, ...]
+    mean, var = moments(x)
+    n = x.shape[0]
+    delta = mean - m["mean"]
+    count = m["count"] + n
+    m2 = m["var"] * m["count"] + var * n + delta**2 * m["count"] * n / count
+    return dict(mean=m["mean"] + delta * n / count, var=m2 / count, count=count)
 
 
-def update_moments(m: dict, x: jax.Array, args: Args) -> dict:  # merge in a batch x, [B, ...]
-    (mean, var), n = moments(x, args), x.shape[0] * jax.lax.psum(1, args.env_axis)
-    delta, count = mean - m["mean"], m["count"] + n
-    return dict(mean=m["mean"] + delta * n / count, count=count, var=(m["var"] * m["count"]
-                + var * n + delta**2 * m["count"] * n / count) / count)
+def new_moments(x: jax.Array) -> dict:
+    return dict(mean=jnp.zeros_like(x), var=jnp.ones_like(x), count=jnp.array(1e-4))
 
 
-def init_norm(obs: jax.Array, args: Args) -> Norm:  # having seen the reset observations, as gym
-    new = lambda x: dict(mean=jnp.zeros_like(x[0]), var=jnp.ones_like(x[0]), count=jnp.array(1e-4))
-    return Norm(update_moments(new(obs), obs, args) if args.norm_obs else new(obs), new(obs[:, 0]),
-                jnp.zeros(len(obs)))
+def init_norm(obs: jax.Array, args: Args) -> Norm:
+    """Having seen the reset observations, as gym."""
+    norm_obs = new_moments(obs[0])
+    if args.norm_obs:
+        norm_obs = update_moments(norm_obs, obs)
+    return Norm(
+        obs=norm_obs, ret=new_moments(obs[0, 0]), discounted=jnp.zeros(len(obs))
+    )
 
 
-def update_norm(norm: Norm, obs, reward, done, args: Args):
-    """(statistics after a step, updated between network calls; with them, its rewards scaled)"""
+def update_norm(norm: Norm, obs, reward, done, args: Args) -> tuple[Norm, jax.Array]:
+    """The statistics after a step (updated between network calls) and its rewards, scaled."""
+    if args.norm_obs:
+        norm = norm._replace(obs=update_moments(norm.obs, obs))
+    if not args.norm_reward:
+        return norm, reward
     discounted = norm.discounted * args.gamma + reward
-    norm = Norm(update_moments(norm.obs, obs, args) if args.norm_obs else norm.obs,
-                update_moments(norm.ret, discounted, args) if args.norm_reward else norm.ret,
-                jnp.where(done, 0.0, discounted) if args.norm_reward else norm.discounted)
-    return norm, (jnp.clip(reward / jnp.sqrt(norm.ret["var"] + 1e-8), -10, 10) if args.norm_reward
-                  else reward)
+    ret = update_moments(norm.ret, discounted)
+    norm = norm._replace(ret=ret, discounted=jnp.where(done, 0.0, discounted))
+    return norm, jnp.clip(reward / jnp.sqrt(ret["var"] + 1e-8), -10, 10)
 
 
 def build_model(args: Args, env, env_params, rngs: nnx.Rngs) -> ActorCritic:
     """The actor-critic for this env; the sampler follows from the action space."""
-    obs_size = observe(jnp.zeros((1,) + env.observation_space(env_params).shape), args).shape[1]
-    with jax.ensure_compile_time_eval():  # bounds built with jnp stay concrete under jit
+    obs_size = observe(
+        jnp.zeros((1,) + env.observation_space(env_params).shape), args
+    ).shape[1]
+    # bounds built with jnp stay concrete under jit
+    with jax.ensure_compile_time_eval():
         space = env.action_space(env_params)
     if isinstance(space, spaces.Discrete):
         return ActorCritic(obs_size, space.n, CategoricalSampler(rngs), args, rngs)
     size = int(np.prod(space.shape))
-    low, high = (tuple(np.broadcast_to(np.asarray(b, np.float32), (size,)).tolist())
-                 for b in (space.low, space.high))
-    return ActorCritic(obs_size, size, GaussianSampler(size, low, high, rngs), args, rngs)
+    low = np.broadcast_to(np.asarray(space.low, np.float32), (size,))
+    high = np.broadcast_to(np.asarray(space.high, np.float32), (size,))
+    sampler = GaussianSampler(size, tuple(low.tolist()), tuple(high.tolist()), rngs)
+    return ActorCritic(obs_size, size, sampler, args, rngs)
 
 
 # ========================================= Rollout =========================================
-# What the rollout carries from one iteration to the next; the episode totals are [B] running sums
-Runner = namedtuple("Runner", "env_state obs carry episode_return episode_length key norm")
+class Runner(NamedTuple):  # what the rollout carries from one iteration to the next
+    env_state: Any
+    obs: jax.Array  # the network's next input, normalized
+    carry: Any  # the network's per-env state
+    episode_return: jax.Array  # [B] running sums of the episodes under way
+    episode_length: jax.Array
+    key: jax.Array  # for the envs' steps
+    norm: Norm
 
 
-class Transition(NamedTuple):  # one step of every env; the rollout stacks them into [T, B, ...]
+class Transition(NamedTuple):
+    """One step of every env; the rollout stacks them into [T, B, ...]."""
+
     obs: jax.Array
     carry: Any  # the carry the network was called with
     rollout_extras: Any  # the raw sampled actions, keyed like the carry
     output: dict  # action, log_prob, entropy, value (and latent)
-    reward: jax.Array
+    reward: jax.Array  # scaled with --norm-reward
     terminated: jax.Array
     truncated: jax.Array
     final_obs: jax.Array  # the observation the step led to, before any auto-reset
-    episode_return: jax.Array  # of the episode that ended at this step, else 0
+    # of the episode that ended at this step (unscaled), else 0
+    episode_return: jax.Array
     episode_length: jax.Array
     next_carry: Any  # the carry the network returned, before any reset: the bootstrap's
 
 
-def this_device(x, args: Args):  # of the rows of all envs, this device's (--shard-envs)
-    index = jax.lax.axis_index("envs") * args.local_envs if args.shard_envs else 0
-    return jax.lax.dynamic_slice_in_dim(x, index, args.local_envs)
-
-
-def merge(graphdef, params, rest) -> ActorCritic:  # fresh variables: no write leaves a pass
+def merge(graphdef, params, rest) -> ActorCritic:
+    """Fresh variables: no write leaves a pass."""
     return nnx.merge(graphdef, params, rest, copy=True)
 
 
 def rollout(graphdef, params, rest, env, env_params, runner: Runner, args: Args):
     """Act for num_steps in every env: (runner, [T, B] transitions)."""
+    env_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
     def step(runner: Runner, _):
         model = merge(graphdef, params, rest)
         out = model(runner.carry, runner.obs)
         key, step_key = jax.random.split(runner.key)
-        obs, env_state, reward, terminated, truncated, info = jax.vmap(
-            env.step, in_axes=(0, 0, 0, None))(this_device(jax.random.split(
-                step_key, args.num_envs), args), runner.env_state, out.output["action"], env_params)
+        env_keys = jax.random.split(step_key, args.num_envs)
+        obs, env_state, reward, terminated, truncated, info = env_step(
+            env_keys, runner.env_state, out.output["action"], env_params
+        )
         done = terminated | truncated
-        norm, scaled = update_norm(runner.norm, observe(obs, args), reward, done, args)
-        episode_return, episode_length = runner.episode_return + reward, runner.episode_length + 1
-        transition = Transition(  # the network's inputs (normalized); returns as scored (not)
-            runner.obs, runner.carry, out.rollout_extras, out.output, scaled, terminated,
-            truncated, observe(info["final_observation"], args, norm),
-            jnp.where(done, episode_return, 0.0), jnp.where(done, episode_length, 0),
-            out.next_state)
-        return Runner(env_state, observe(obs, args, norm),
-                      carry_after_step(model, out.next_state, done),
-                      jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
-                      key, norm), transition
+        norm, scaled_reward = update_norm(
+            runner.norm, observe(obs, args), reward, done, args
+        )
+        episode_return = runner.episode_return + reward
+        episode_length = runner.episode_length + 1
+        transition = Transition(
+            obs=runner.obs,
+            carry=runner.carry,
+            rollout_extras=out.rollout_extras,
+            output=out.output,
+            reward=scaled_reward,
+            terminated=terminated,
+            truncated=truncated,
+            final_obs=observe(info["final_observation"], args, norm),
+            episode_return=jnp.where(done, episode_return, 0.0),
+            episode_length=jnp.where(done, episode_length, 0),
+            next_carry=out.next_state,
+        )
+        runner = Runner(
+            env_state=env_state,
+            obs=observe(obs, args, norm),
+            carry=carry_after_step(model, out.next_state, done),
+            episode_return=jnp.where(done, 0.0, episode_return),
+            episode_length=jnp.where(done, 0, episode_length),
+            key=key,
+            norm=norm,
+        )
+        return runner, transition
 
     return jax.lax.scan(step, runner, length=args.num_steps)
 
@@ -507,8 +697,8 @@ def rollout(graphdef, params, rest, env, env_params, runner: Runner, args: Args)
 # ======================================== Advantages =======================================
 def bootstrap_values(model: ActorCritic, t: Transition) -> jax.Array:
     """V(final observation) of every step, [T, B], in one batched pass."""
-    out = model(flatten_steps(t.next_carry), flatten_steps(t.final_obs))  # one step on from there
-    return out.output["value"].reshape(t.reward.shape)
+    values = model.value(flatten_steps(t.next_carry), flatten_steps(t.final_obs))
+    return values.reshape(t.reward.shape)
 
 
 def compute_gae(t: Transition, next_values: jax.Array, args: Args):
@@ -516,45 +706,68 @@ def compute_gae(t: Transition, next_values: jax.Array, args: Args):
     led to, before any auto-reset: a time limit bootstraps from it, termination does not."""
 
     def backward(next_advantage, step):
-        reward, value, next_value, term, trunc = step
-        delta = reward + args.gamma * next_value * (1.0 - term) - value
-        advantage = delta + args.gamma * args.gae_lambda * (1.0 - (term | trunc)) * next_advantage
+        reward, value, next_value, terminated, truncated = step
+        delta = reward + args.gamma * next_value * (1.0 - terminated) - value
+        not_done = 1.0 - (terminated | truncated)
+        advantage = delta + args.gamma * args.gae_lambda * not_done * next_advantage
         return advantage, advantage
 
     values = t.output["value"]
-    _, advantages = jax.lax.scan(backward, jnp.zeros_like(values[0]), (
-        t.reward, values, next_values, t.terminated, t.truncated), reverse=True)
+    steps = (t.reward, values, next_values, t.terminated, t.truncated)
+    _, advantages = jax.lax.scan(
+        backward, jnp.zeros_like(values[0]), steps, reverse=True
+    )
     return advantages, advantages + values
 
 
 # ======================================= Loss replay =======================================
-# What one loss evaluation consumes (rollout_batch says in what shape)
-Batch = namedtuple("Batch", "obs carry rollout_extras done log_prob value advantage returns")
+class Batch(NamedTuple):
+    """What one loss evaluation consumes (rollout_batch says in what shape)."""
+
+    obs: jax.Array
+    carry: Any
+    rollout_extras: Any
+    done: jax.Array
+    log_prob: jax.Array
+    value: jax.Array
+    advantage: jax.Array
+    returns: jax.Array
 
 
 def rollout_batch(t: Transition, advantages: jax.Array, returns: jax.Array) -> Batch:
     """The rollout as whole sequences, [T, B, ...], with the carry of their first step, [B, ...]."""
-    return Batch(t.obs, jax.tree.map(lambda x: x[0], t.carry), t.rollout_extras,
-                 t.terminated | t.truncated, t.output["log_prob"], t.output["value"], advantages,
-                 returns)
+    return Batch(
+        obs=t.obs,
+        carry=jax.tree.map(lambda x: x[0], t.carry),
+        rollout_extras=t.rollout_extras,
+        done=t.terminated | t.truncated,
+        log_prob=t.output["log_prob"],
+        value=t.output["value"],
+        advantage=advantages,
+        returns=returns,
+    )
 
 
 def replay(graphdef, params, rest, batch: Batch) -> Output:
     """The rollout's outputs, recomputed from what the rollout stored."""
-    return merge(graphdef, params, rest)(batch.carry, batch.obs, batch.rollout_extras, batch.done)
+    model = merge(graphdef, params, rest)
+    return model(batch.carry, batch.obs, batch.rollout_extras, batch.done)
 
 
-def split_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) -> Batch:
+def split_minibatches(
+    batch: Batch, permutation: jax.Array, num_minibatches: int
+) -> Batch:
     """Shuffle the envs and cut them into groups of whole sequences: a sequence cut in the middle
     would need the carry there, which depends on the parameters being trained."""
 
     def split(x, axis):  # the env axis: 1 in [T, B, ...], 0 in the start carry
         x = jnp.take(x, permutation, axis=axis)
-        return jnp.moveaxis(x.reshape(x.shape[:axis] + (num_minibatches, -1) + x.shape[axis + 1:]),
-                            axis, 0)
+        x = x.reshape(x.shape[:axis] + (num_minibatches, -1) + x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0)
 
-    sequences = jax.tree.map(lambda x: split(x, 1), batch._replace(carry=()))
-    return sequences._replace(carry=jax.tree.map(lambda x: split(x, 0), batch.carry))
+    sequences = jax.tree.map(functools.partial(split, axis=1), batch._replace(carry=()))
+    start_carry = jax.tree.map(functools.partial(split, axis=0), batch.carry)
+    return sequences._replace(carry=start_carry)
 
 
 def ppo_loss(graphdef, params, rest, batch: Batch, args: Args):
@@ -564,25 +777,30 @@ def ppo_loss(graphdef, params, rest, batch: Batch, args: Args):
     ratio = jnp.exp(log_ratio)
     advantage = batch.advantage
     if args.norm_adv:
-        mean, var = moments(advantage.reshape(-1), args)  # of the minibatch on every device
+        mean, var = moments(advantage.reshape(-1))  # over the whole minibatch
         advantage = (advantage - mean) / (jnp.sqrt(var) + 1e-8)
-    policy_loss = jnp.maximum(
-        -advantage * ratio,
-        -advantage * jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
+    clipped_ratio = jnp.clip(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    policy_loss = jnp.maximum(-advantage * ratio, -advantage * clipped_ratio).mean()
     new_value = out.output["value"]
     value_loss = (new_value - batch.returns) ** 2
     if args.clip_vloss:
-        clipped = batch.value + jnp.clip(new_value - batch.value, -args.clip_coef, args.clip_coef)
+        clipped = batch.value + jnp.clip(
+            new_value - batch.value, -args.clip_coef, args.clip_coef
+        )
         value_loss = jnp.maximum(value_loss, (clipped - batch.returns) ** 2)
     value_loss = 0.5 * value_loss.mean()
     entropy = out.output["entropy"].mean()
-    loss = (policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss
-            + out.regularization_loss.mean())
+    loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss
+    loss = loss + out.regularization_loss.mean()
     return loss, {
-        "losses/value_loss": value_loss, "losses/policy_loss": policy_loss,
-        "losses/entropy": entropy, "losses/old_approx_kl": (-log_ratio).mean(),
+        "losses/value_loss": value_loss,
+        "losses/policy_loss": policy_loss,
+        "losses/entropy": entropy,
+        "losses/old_approx_kl": (-log_ratio).mean(),
         "losses/approx_kl": ((ratio - 1) - log_ratio).mean(),
-        "losses/clipfrac": (jnp.abs(ratio - 1.0) > args.clip_coef).mean(), **out.metrics}
+        "losses/clipfrac": (jnp.abs(ratio - 1.0) > args.clip_coef).mean(),
+        **out.metrics,
+    }
 
 
 # ========================================== Update =========================================
@@ -594,19 +812,24 @@ def make_optimizer(args: Args):
         left = 1.0 - (count // updates_per_iteration) / args.num_iterations
         return args.learning_rate * (left if args.anneal_lr else jnp.ones_like(left))
 
-    # flatten: one vector instead of a dozen small leaves, so each step runs a few large kernels
-    optimizer = optax.flatten(optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                                          optax.adam(learning_rate, eps=1e-5)))
-    return optimizer, lambda i: learning_rate(i * updates_per_iteration)
+    def iteration_learning_rate(i):
+        return learning_rate(i * updates_per_iteration)
+
+    clipped_adam = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adam(learning_rate, eps=1e-5),
+    )
+    # one flat vector, not a dozen small leaves: each step runs a few large kernels
+    return optax.flatten(clipped_adam), iteration_learning_rate
 
 
 def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args: Args):
     """update_epochs passes of shuffled minibatch steps: (params, opt_state, mean metrics)."""
+    loss_grad = jax.grad(ppo_loss, argnums=1, has_aux=True)
 
     def minibatch_step(state, minibatch):
         params, opt_state = state
-        grads, metrics = jax.lax.pmean(jax.grad(ppo_loss, argnums=1, has_aux=True)(
-            graphdef, params, rest, minibatch, args), args.env_axis)  # averaged over devices
+        grads, metrics = loss_grad(graphdef, params, rest, minibatch, args)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), metrics
 
@@ -614,18 +837,21 @@ def update(graphdef, params, rest, optimizer, opt_state, batch: Batch, key, args
         minibatches = split_minibatches(batch, permutation, args.num_minibatches)
         return jax.lax.scan(minibatch_step, state, minibatches)
 
-    def draw(key, _):  # in a loop of its own: see benchmarks/results/stress_jax0.10.2.md
+    def draw(key, _):  # in a scan of its own, before the epochs: one key chain for all
         key, subkey = jax.random.split(key)
-        return key, jax.random.permutation(subkey, args.local_envs)
+        return key, jax.random.permutation(subkey, args.num_envs)
 
-    key = jax.random.fold_in(key, jax.lax.axis_index("envs")) if args.shard_envs else key
-    permutations = jax.lax.scan(draw, key, length=args.update_epochs)[1]  # each device its own
-    (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), permutations)
+    _, permutations = jax.lax.scan(draw, key, length=args.update_epochs)
+    (params, opt_state), metrics = jax.lax.scan(
+        epoch, (params, opt_state), permutations
+    )
     return params, opt_state, jax.tree.map(jnp.mean, metrics)
 
 
 # ====================================== Training loop ======================================
-class TrainState(NamedTuple):  # one seed's training: all that a stopped run resumes from
+class TrainState(NamedTuple):
+    """One seed's training: all that a stopped run resumes from."""
+
     params: Any
     opt_state: Any
     runner: Runner
@@ -645,48 +871,73 @@ def make_chunk(args: Args):
         key = jax.random.key(jax.random.bits(key, dtype=jnp.uint32), impl="philox2x32")
         init_key, reset_key, runner_key, update_key = jax.random.split(key, 4)
         model = build_model(args, env, env_params, nnx.Rngs(init_key))
-        carry = jax.tree.map(lambda x: this_device(x, args), model.initialize_state(args.num_envs))
         params = nnx.state(model, nnx.Param)
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            this_device(jax.random.split(reset_key, args.num_envs), args), env_params)
+        reset_keys = jax.random.split(reset_key, args.num_envs)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)
         norm = init_norm(observe(obs, args), args)
-        runner = Runner(env_state, observe(obs, args, norm), carry, jnp.zeros(args.local_envs),
-                        jnp.zeros(args.local_envs, int), runner_key, norm)
-        return TrainState(params, optimizer.init(params), runner, jnp.array(0), update_key)
+        runner = Runner(
+            env_state=env_state,
+            obs=observe(obs, args, norm),
+            carry=model.initialize_state(args.num_envs),
+            episode_return=jnp.zeros(args.num_envs),
+            episode_length=jnp.zeros(args.num_envs, int),
+            key=runner_key,
+            norm=norm,
+        )
+        return TrainState(
+            params=params,
+            opt_state=optimizer.init(params),
+            runner=runner,
+            iteration=jnp.array(0),
+            update_key=update_key,
+        )
 
     def iteration(graphdef, rest, update_keys, state: TrainState):
-        params, opt_state, runner, i, _ = state
-        update_key = update_keys[i]
-        runner, t = rollout(graphdef, params, rest, env, env_params, runner, args)
+        params, opt_state = state.params, state.opt_state
+        runner, t = rollout(graphdef, params, rest, env, env_params, state.runner, args)
         next_values = bootstrap_values(merge(graphdef, params, rest), t)
         advantages, returns = compute_gae(t, next_values, args)
-        params, opt_state, metrics = update(graphdef, params, rest, optimizer, opt_state,
-                                            rollout_batch(t, advantages, returns), update_key, args)
-        total = lambda x: jax.lax.psum(x.sum(), args.env_axis)  # over all devices' envs
-        variance = lambda x: moments(x.reshape(-1), args)[1]
-        episodes = total(t.terminated | t.truncated)
-        metrics.update({
-            "charts/episodic_return": total(t.episode_return) / episodes,  # NaN: none ended
-            "charts/episodic_length": total(t.episode_length) / episodes,
-            "charts/learning_rate": learning_rate(i),
-            "losses/explained_variance": jnp.where(  # NaN for constant returns, as CleanRL
-                variance(returns) > 0,
-                1.0 - variance(returns - t.output["value"]) / variance(returns), jnp.nan)})
-        return TrainState(params, opt_state, runner, i + 1, state.update_key), metrics
+        batch = rollout_batch(t, advantages, returns)
+        update_key = update_keys[state.iteration]
+        params, opt_state, metrics = update(
+            graphdef, params, rest, optimizer, opt_state, batch, update_key, args
+        )
+        episodes = (t.terminated | t.truncated).sum()
+        _, returns_var = moments(returns.reshape(-1))
+        _, residual_var = moments((returns - t.output["value"]).reshape(-1))
+        # NaN for constant returns, as in CleanRL
+        explained = jnp.where(
+            returns_var > 0, 1.0 - residual_var / returns_var, jnp.nan
+        )
+        # NaN: none ended
+        metrics["charts/episodic_return"] = t.episode_return.sum() / episodes
+        metrics["charts/episodic_length"] = t.episode_length.sum() / episodes
+        metrics["charts/learning_rate"] = learning_rate(state.iteration)
+        metrics["losses/explained_variance"] = explained
+        state = state._replace(
+            params=params,
+            opt_state=opt_state,
+            runner=runner,
+            iteration=state.iteration + 1,
+        )
+        return state, metrics
 
     def chunk(state: TrainState, n, size: int):
         # the network's structure and its nnx.Rngs (read only by init); the Params are the state's
-        graphdef, _, rest = nnx.split(build_model(args, env, env_params, nnx.Rngs(0)), nnx.Param,
-                                      ...)
+        model = build_model(args, env, env_params, nnx.Rngs(0))
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
         # every iteration's key, split once for the whole run: chunks draw what one call draws
-        step = functools.partial(iteration, graphdef, rest,
-                                 jax.random.split(state.update_key, args.num_iterations))
-        rows = jax.tree.map(lambda x: jnp.full((size,) + x.shape, jnp.nan, x.dtype),
-                            jax.eval_shape(step, state)[1])
+        update_keys = jax.random.split(state.update_key, args.num_iterations)
+        step = functools.partial(iteration, graphdef, rest, update_keys)
+        metrics_shape = jax.eval_shape(step, state)[1]
+        rows = jax.tree.map(
+            lambda x: jnp.full((size,) + x.shape, jnp.nan, x.dtype), metrics_shape
+        )
 
         def body(j, carry):
-            state, metrics = step(carry[0])
-            return state, jax.tree.map(lambda row, x: row.at[j].set(x), carry[1], metrics)
+            state, rows = carry
+            state, metrics = step(state)
+            return state, jax.tree.map(lambda row, x: row.at[j].set(x), rows, metrics)
 
         return jax.lax.fori_loop(0, n, body, (state, rows))
 
@@ -704,43 +955,75 @@ def make_train(args: Args):
     return train
 
 
+# ==================================== Seeds and devices ====================================
+def devices(args: Args) -> list:
+    """The devices (of all hosts) sharing the seeds or, with --shard-envs, the envs equally."""
+    if args.shard_envs:
+        n, name = args.num_envs, "--num-envs"
+    else:
+        n, name = args.num_seeds, "--num-seeds"
+    if n == 1 and not args.shard_envs and jax.process_count() == 1:
+        return jax.devices()[:1]
+    if n % jax.device_count():
+        raise ValueError(
+            f"{name} {n} must be a multiple of the {jax.device_count()} devices "
+            "(CUDA_VISIBLE_DEVICES or JAX_PLATFORMS=cpu can show fewer)"
+        )
+    # each host's seeds in a row
+    return sorted(jax.devices(), key=lambda d: d.process_index)
+
+
+def over_seeds(f, per_seed):
+    """f of one seed on a stack of seeds: jax.vmap, but not over one seed (slower on CPU)."""
+    if jax.tree.leaves(per_seed)[0].shape[0] > 1:
+        return jax.vmap(f)(per_seed)
+    one = jax.tree.map(functools.partial(jnp.squeeze, axis=0), per_seed)
+    return jax.tree.map(functools.partial(jnp.expand_dims, axis=0), f(one))
+
+
 def compile_run(args: Args):
     """The programs that train seeds args.seed .. args.seed + num_seeds - 1 (seed i of N trains as
     `--seed i` alone) on the devices: (init() -> state, chunk(state, n) -> (state, metrics
     [seed, chunk_size], NaN past n), compile seconds). A run that cannot fit in the devices'
-    memory is refused here, before it trains."""
-    init, chunk = make_chunk(args)
-    mesh = jax.sharding.Mesh(np.reshape(devices(args), (1, -1) if args.shard_envs else (-1, 1)),
-                             ("seeds", "envs"))
-    seeds, per_env = P("seeds"), P("seeds", "envs")  # how the state is split over devices
-    specs = TrainState(seeds, seeds, Runner(*[per_env] * 5, seeds, Norm(seeds, seeds, per_env)),
-                       seeds, seeds)
+    memory is refused here, before it trains.
 
-    def over_seeds(f, per_seed, *shared):  # f of one seed, on the seeds of one device
-        if len(jax.tree.leaves(per_seed)[0]) == 1:  # a vmap over one seed costs speed on CPU
-            return jax.tree.map(lambda x: x[None], f(jax.tree.map(lambda x: x[0], per_seed),
-                                                     *shared))
-        return jax.vmap(f, in_axes=(0,) + (None,) * len(shared))(per_seed, *shared)
+    Placement is data: every array's axis 0 (the seeds) splits over the mesh's "seeds" axis and,
+    with --shard-envs, each per-env array's axis 1 over "envs"; jax.jit partitions the one-device
+    program to match and adds the sums over devices it needs."""
+    init, chunk = make_chunk(args)
+    # GSPMD: Shardy (jax 0.11) cannot lower Philox's mulhi for arrays split over processes
+    jax.config.update("jax_use_shardy_partitioner", False)
+    shape = (1, -1) if args.shard_envs else (-1, 1)
+    mesh = jax.sharding.Mesh(np.reshape(devices(args), shape), ("seeds", "envs"))
 
     def init_seeds(seed_index):
-        return over_seeds(lambda index: init(jax.random.key(args.seed + index)), seed_index)
+        def init_seed(index):
+            return init(jax.random.key(args.seed + index))
+
+        return over_seeds(init_seed, seed_index)
 
     def chunk_seeds(state, n):
-        return over_seeds(functools.partial(chunk, size=args.chunk_size), state, n)
+        return over_seeds(functools.partial(chunk, n=n, size=args.chunk_size), state)
 
-    if mesh.size > 1 or args.shard_envs:  # one device runs the plain program: it compiles faster
-        # check_vma=False: gradients averaged by hand, as under pmap (with it, grad sums them)
-        init_seeds = jax.shard_map(init_seeds, mesh=mesh, in_specs=seeds, out_specs=specs,
-                                   check_vma=False)
-        chunk_seeds = jax.shard_map(chunk_seeds, mesh=mesh, in_specs=(specs, P()),
-                                    out_specs=(specs, seeds), check_vma=False)
-    seed_index = jax.make_array_from_callback(  # on every host, the seeds of its own devices
-        (args.num_seeds,), NamedSharding(mesh, seeds), lambda i: np.arange(args.num_seeds)[i])
+    seeds = NamedSharding(mesh, P("seeds"))
+    per_env = NamedSharding(mesh, P("seeds", "envs"))
+
+    def placed(x):  # the runner's [seed, env, ...] arrays split envs too
+        return per_env if x.ndim > 1 and x.shape[1] == args.num_envs else seeds
+
+    # on every host, the seeds of its own devices
+    seed_index = jax.make_array_from_callback(
+        (args.num_seeds,), seeds, lambda i: np.arange(args.num_seeds)[i]
+    )
+    state = jax.eval_shape(init_seeds, seed_index)
+    shardings = jax.tree.map(lambda _: seeds, state)
+    shardings = shardings._replace(runner=jax.tree.map(placed, state.runner))
     start = time.time()
-    init_seeds = jax.jit(init_seeds).lower(seed_index).compile()
-    chunk_seeds = jax.jit(  # the metrics replicated, for every host to read
-        chunk_seeds, out_shardings=(None, NamedSharding(mesh, P()))).lower(
-        init_seeds.out_info, args.chunk_size).compile()
+    init_seeds = jax.jit(init_seeds, out_shardings=shardings)
+    init_seeds = init_seeds.lower(seed_index).compile()
+    replicated = NamedSharding(mesh, P())  # the metrics, for every host to read
+    chunk_seeds = jax.jit(chunk_seeds, out_shardings=(shardings, replicated))
+    chunk_seeds = chunk_seeds.lower(init_seeds.out_info, args.chunk_size).compile()
     check_memory(args, chunk_seeds)
     return functools.partial(init_seeds, seed_index), chunk_seeds, time.time() - start
 
@@ -748,8 +1031,8 @@ def compile_run(args: Args):
 def check_memory(args: Args, compiled) -> None:
     """Refuse, naming the flags, a chunk program larger than its device's memory (XLA's count)."""
     stats, device = compiled.memory_analysis(), jax.local_devices()[0]
-    need = (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-            - stats.alias_size_in_bytes)
+    need = stats.argument_size_in_bytes + stats.output_size_in_bytes
+    need += stats.temp_size_in_bytes - stats.alias_size_in_bytes
     if device.platform == "cpu":  # every CPU device shares the host's memory
         need *= jax.local_device_count()
     have = free_memory(device)
@@ -757,7 +1040,8 @@ def check_memory(args: Args, compiled) -> None:
         raise ValueError(
             f"the run needs about {need / 2**30:.1f} GiB of memory and the {device.platform} has "
             f"{have / 2**30:.1f} GiB free: lower --num-envs {args.num_envs}, --num-steps "
-            f"{args.num_steps} or --num-seeds {args.num_seeds}")
+            f"{args.num_steps} or --num-seeds {args.num_seeds}"
+        )
 
 
 def free_memory(device) -> float:  # bytes that the device can still allocate
@@ -765,9 +1049,9 @@ def free_memory(device) -> float:  # bytes that the device can still allocate
         return (device.memory_stats() or {}).get("bytes_limit", math.inf)
     try:  # Linux: what can be allocated without swapping, the page cache included
         with open("/proc/meminfo") as meminfo:
-            return next(int(line.split()[1]) * 1024 for line in meminfo
-                        if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
+            lines = [line for line in meminfo if line.startswith("MemAvailable:")]
+        return int(lines[0].split()[1]) * 1024
+    except (OSError, IndexError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -777,26 +1061,42 @@ def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
     compile seconds, seconds of each of `repeats` runs). `program` is compile_run's.
     `on_chunk(state, metrics, done, seconds)` runs on the host after each chunk: False stops."""
     init, chunk, compile_s = program or compile_run(args)
-    steps = args.batch_size * np.arange(1, args.num_iterations + 1, dtype=np.int64)  # no wrap
-    train_s, waiter = [], concurrent.futures.ThreadPoolExecutor(1)
+    # no wrap
+    steps = args.batch_size * np.arange(1, args.num_iterations + 1, dtype=np.int64)
+    waiter = concurrent.futures.ThreadPoolExecutor(1)
+    train_s = []
     for _ in range(repeats):
         begin = time.time()
         state, metrics, done = start or (init(), {}, 0)
-        metrics = {"global_step": np.broadcast_to(steps, (args.num_seeds, len(steps))), **metrics}
+        metrics = {
+            "global_step": np.broadcast_to(steps, (args.num_seeds, len(steps))),
+            **metrics,
+        }
         n = args.chunk_iterations or 1
         while done < args.num_iterations:
-            n, called = min(n, args.num_iterations - done), time.time()
+            n = min(n, args.num_iterations - done)
+            called = time.time()
             state, rows = chunk(state, n)
             # waited for in a thread: the main thread then runs a signal's handler at once
-            for k, v in waiter.submit(jax.device_get, rows).result().items():
-                metrics.setdefault(k, np.full(metrics["global_step"].shape, np.nan, v.dtype))
-                metrics[k][:, done:done + n] = v[:, :n]
+            rows = waiter.submit(jax.device_get, rows).result()
+            for k, v in rows.items():
+                metrics.setdefault(
+                    k, np.full(metrics["global_step"].shape, np.nan, v.dtype)
+                )
+                metrics[k][:, done : done + n] = v[:, :n]
             done += n
-            if not args.chunk_iterations:  # about a second a call: each call costs a few ms
-                n = max(1, min(args.chunk_size, round(n / max(time.time() - called, 1e-3))))
-            if jax.process_count() > 1:  # every host runs the chunks that process 0 runs
+            # about a second a call: each call costs a few ms
+            if not args.chunk_iterations:
+                n = max(
+                    1, min(args.chunk_size, round(n / max(time.time() - called, 1e-3)))
+                )
+            # every host runs the chunks that process 0 runs
+            if jax.process_count() > 1:
                 n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
-            if on_chunk and on_chunk(state, metrics, done, time.time() - begin) is False:
+            if (
+                on_chunk
+                and on_chunk(state, metrics, done, time.time() - begin) is False
+            ):
                 break
         jax.block_until_ready(state)
         train_s.append(time.time() - begin)
@@ -804,98 +1104,136 @@ def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
 
 
 # ================================ Evaluation and checkpoints ===============================
-def evaluate(args: Args, params, norm) -> np.ndarray:
+def evaluate(args: Args, params, norm: Norm) -> np.ndarray:
     """[seed, episode] returns of each seed's policy: an episode per env, the statistics frozen."""
-    (env, env_params), n = make_env(args), args.eval_episodes or 10  # 10: for --eval-checkpoint
+    env, env_params = make_env(args)
+    n = args.eval_episodes or 10  # 10: for --eval-checkpoint
+    env_reset = jax.vmap(env.reset, in_axes=(0, None))
+    env_step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+    action = "mode" if args.eval_deterministic else "action"
 
     def episodes(seed, params, norm):
-        model_key, env_key, key = jax.random.split(jax.random.fold_in(jax.random.key(seed), 1), 3)
-        model = build_model(args, env, env_params, nnx.Rngs(model_key))  # its Params replaced
-        carry, (graphdef, _, rest) = model.initialize_state(n), nnx.split(model, nnx.Param, ...)
-        obs, env_state = jax.vmap(lambda k: env.reset(k, env_params))(jax.random.split(env_key, n))
+        key = jax.random.fold_in(jax.random.key(seed), 1)
+        model_key, env_key, key = jax.random.split(key, 3)
+        # its Params replaced
+        model = build_model(args, env, env_params, nnx.Rngs(model_key))
+        carry = model.initialize_state(n)
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        obs, env_state = env_reset(jax.random.split(env_key, n), env_params)
 
         def step(state):
             env_state, obs, carry, key, total, ended = state
             out = merge(graphdef, params, rest)(carry, observe(obs, args, norm))
             key, step_key = jax.random.split(key)
-            obs, env_state, reward, terminated, truncated, _ = jax.vmap(
-                env.step, in_axes=(0, 0, 0, None))(jax.random.split(step_key, n), env_state,
-                out.output["mode" if args.eval_deterministic else "action"], env_params)
-            return (env_state, obs, out.next_state, key, total + jnp.where(ended, 0.0, reward),
-                    ended | terminated | truncated)
+            step_keys = jax.random.split(step_key, n)
+            obs, env_state, reward, terminated, truncated, _ = env_step(
+                step_keys, env_state, out.output[action], env_params
+            )
+            total = total + jnp.where(ended, 0.0, reward)
+            ended = ended | terminated | truncated
+            return env_state, obs, out.next_state, key, total, ended
+
+        def running(state):
+            return ~state[-1].all()
 
         state = (env_state, obs, carry, key, jnp.zeros(n), jnp.zeros(n, bool))
-        return jax.lax.while_loop(lambda state: ~state[-1].all(), step, state)[-2]
+        return jax.lax.while_loop(running, step, state)[-2]
 
-    return np.asarray(jax.jit(jax.vmap(episodes))(jnp.array(args.seeds), params, norm))
+    returns = jax.jit(jax.vmap(episodes))(jnp.array(args.seeds), params, norm)
+    return np.asarray(returns)
 
 
-def refuse_changes(cli: Args, flag: str, allowed: tuple) -> None:
+def refuse_changes(cli: Args, saved_flag: str, allowed: tuple) -> None:
     """--eval-checkpoint and --resume take the saved run's flags: only `allowed` may be given."""
-    for name in [k for k, v in vars(cli).items() if v != getattr(Args, k) and k not in allowed]:
-        flags = ", ".join(f"--{k}" for k in allowed).replace("_", "-")
-        raise ValueError(f"--{name.replace('_', '-')} cannot change the run saved at "
-                         f"{getattr(cli, flag)}: only {flags} apply to it")
+    for name, value in vars(cli).items():
+        if value != getattr(Args, name) and name not in allowed:
+            flags = ", ".join(map(flag, allowed))
+            raise ValueError(
+                f"{flag(name)} cannot change the run saved at "
+                f"{getattr(cli, saved_flag)}: only {flags} apply to it"
+            )
+
+
+def restore(path: str, **items):  # the named items of one Orbax checkpoint
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    return checkpointer.restore(os.path.abspath(path), args=ocp.args.Composite(**items))
 
 
 def load_run(cli: Args):
     """(Args, params, norm) of the run saved at --eval-checkpoint, seeds stacked."""
     check_args(cli)  # the flags given, before the saved ones
     path = cli.eval_checkpoint
-    ok = ("eval_checkpoint", "eval_episodes", "eval_deterministic", "track", "wandb_project_name",
-          "wandb_entity")  # this evaluation's own flags
-    refuse_changes(cli, "eval_checkpoint", ok)
+    # this evaluation's own flags
+    own = (
+        "eval_checkpoint",
+        "eval_episodes",
+        "eval_deterministic",
+        "track",
+        "wandb_project_name",
+        "wandb_entity",
+    )
+    refuse_changes(cli, "eval_checkpoint", own)
     if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "seed_*")):
-        folder = os.path.normpath(path)
-        raise ValueError(f"--eval-checkpoint {path} holds no seed_* model: " + (
-            f"it is one seed's; give its run folder, {os.path.dirname(folder)}"
-            if os.path.basename(folder).startswith("seed_") else
-            f"it is a stopped run; --resume {path} finishes it"
-            if os.path.isdir(os.path.join(path, "state")) else
-            "give a folder runs/{run_name} that --save-model wrote"))
-    read = lambda entry, **items: ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(
-        os.path.abspath(os.path.join(path, entry)), args=ocp.args.Composite(**items))
+        if os.path.basename(os.path.normpath(path)).startswith("seed_"):
+            hint = f"it is one seed's; give its run folder, {os.path.dirname(path)}"
+        elif os.path.isdir(os.path.join(path, "state")):
+            hint = f"it is a stopped run; --resume {path} finishes it"
+        else:
+            hint = "give a folder runs/{run_name} that --save-model wrote"
+        raise ValueError(f"--eval-checkpoint {path} holds no seed_* model: {hint}")
     try:  # each seed's entry holds the Args; params go into the shapes of nnx.eval_shape's model
-        saved = read(next(e for e in sorted(os.listdir(path)) if e.startswith("seed_")),
-                     args=ocp.args.JsonRestore())["args"]
+        first = next(e for e in sorted(os.listdir(path)) if e.startswith("seed_"))
+        saved = restore(os.path.join(path, first), args=ocp.args.JsonRestore())["args"]
         if saved["script"] != os.path.basename(__file__):
-            raise ValueError(f"{saved['script']} saved it: evaluate it with that script")
-        args = check_args(Args(**{**saved["args"], "save_model": False, **{
-            k: getattr(cli, k) for k in ok}}))
+            raise ValueError(
+                f"{saved['script']} saved it: evaluate it with that script"
+            )
+        flags = {**saved["args"], "save_model": False}
+        args = check_args(Args(**{**flags, **{k: getattr(cli, k) for k in own}}))
         model = nnx.eval_shape(lambda: build_model(args, *make_env(args), nnx.Rngs(0)))
-        runs = [read(f"seed_{seed}", params=ocp.args.StandardRestore(nnx.state(model, nnx.Param)),
-                     norm=ocp.args.StandardRestore()) for seed in args.seeds]  # norm: as dicts
-        return (args, *jax.tree.map(lambda *x: jnp.stack(x),
-                                    *[(run["params"], Norm(**run["norm"])) for run in runs]))
+        like = nnx.state(model, nnx.Param)
+        seeds = []
+        for seed in args.seeds:
+            # norm: as dicts
+            items = restore(
+                f"{path}/seed_{seed}",
+                params=ocp.args.StandardRestore(like),
+                norm=ocp.args.StandardRestore(),
+            )
+            seeds.append((items["params"], Norm(**items["norm"])))
+        return args, *jax.tree.map(lambda *x: jnp.stack(x), *seeds)
     except Exception as error:  # missing, corrupt, another script's
-        raise ValueError(f"--eval-checkpoint {path} is not a run saved by "
-                         f"{os.path.basename(__file__)} ({error!r:.200})") from None
+        raise ValueError(
+            f"--eval-checkpoint {path} is not a run saved by "
+            f"{os.path.basename(__file__)} ({error!r:.200})"
+        ) from None
 
 
-def reserve_run_dir(args: Args, stamp: int) -> tuple[str, int]:
+def reserve_run_dir(args: Args) -> tuple[str, int]:
     """Create runs/{env_id}__{exp_name}__{seed}__{stamp} before anything compiles, with the next
     free stamp if it is taken (runs started in the same second), and prove it writable."""
-    def run_dir(stamp: int) -> str:  # CleanRL's run name
-        return f"runs/{args.env_id}__{args.exp_name}__{args.seed}__{stamp}"
-
-    error = ""
+    stamp, error = int(time.time()), ""
+    prefix = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__"  # CleanRL's run name
     if jax.process_index() == 0:  # on a shared file system, one host reserves for all
         try:
             os.makedirs("runs", exist_ok=True)
-            while not try_mkdir(run_dir(stamp)):
+            while not try_mkdir(f"{prefix}{stamp}"):
                 stamp += 1
-            tempfile.TemporaryFile(dir=run_dir(stamp)).close()
+            tempfile.TemporaryFile(dir=f"{prefix}{stamp}").close()
         except OSError as err:
             error, stamp = f"{err.strerror}: {err.filename}", -1
     if jax.process_count() > 1:
         stamp = int(multihost_utils.broadcast_one_to_all(np.int32(stamp)))
     if stamp < 0:
-        raise ValueError(f"cannot write the run folder in {os.path.abspath('runs')} ("
-                         f"{error or 'on process 0'}): start the run where runs/ can be written")
-    return run_dir(stamp), stamp
+        raise ValueError(
+            f"cannot write the run folder in {os.path.abspath('runs')} ("
+            f"{error or 'on process 0'}): start the run where runs/ can be written"
+        )
+    return f"{prefix}{stamp}", stamp
 
 
-def try_mkdir(path: str) -> bool:  # False if it exists: mkdir is atomic, exists-then-mkdir is not
+def try_mkdir(path: str) -> bool:
+    """False if it exists: mkdir is atomic, exists-then-mkdir is not."""
     try:
         os.mkdir(path)
         return True
@@ -906,66 +1244,93 @@ def try_mkdir(path: str) -> bool:  # False if it exists: mkdir is atomic, exists
 def checkpoints(run_dir: str) -> ocp.CheckpointManager:
     """runs/{run_name}/state/{iteration}: the newest training state only. Orbax writes a step to a
     temporary folder and renames it when complete, so a kill mid-write keeps the one before."""
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(run_dir, "state")),
-                                 options=ocp.CheckpointManagerOptions(
-                                     max_to_keep=1, enable_async_checkpointing=False))
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=1, enable_async_checkpointing=False
+    )
+    return ocp.CheckpointManager(os.path.abspath(f"{run_dir}/state"), options=options)
 
 
-def save_state(run_dir: str, state: TrainState, metrics: dict, done: int, meta: dict) -> None:
+def save_state(
+    run_dir: str, state: TrainState, metrics: dict, done: int, meta: dict
+) -> None:
     """The whole training state after `done` iterations, every iteration's metrics so far, and
     `meta` (the Args, the W&B run ids): what --resume continues from."""
+    history = {k: v for k, v in metrics.items() if k != "global_step"}
+    items = ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        meta=ocp.args.JsonSave(meta),
+        history=ocp.args.StandardSave(history),
+    )
     with checkpoints(run_dir) as manager:
         if manager.latest_step() != done:
-            manager.save(done, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
-                history=ocp.args.StandardSave({k: v for k, v in metrics.items()
-                                               if k != "global_step"})))
+            manager.save(done, args=items)
 
 
 def load_stopped(cli: Args) -> tuple[Args, dict]:
     """(Args, meta) of the stopped run at --resume; meta["done"]: the iterations it ran."""
     check_args(cli)
     path = cli.resume
-    ok = ("resume", "save_model", "save_every", "chunk_iterations", "eval_episodes",
-          "eval_deterministic")  # flags that leave the run's numbers alone
-    refuse_changes(cli, "resume", ok)
+    # flags that leave the run's numbers alone
+    own = (
+        "resume",
+        "save_model",
+        "save_every",
+        "chunk_iterations",
+        "eval_episodes",
+        "eval_deterministic",
+    )
+    refuse_changes(cli, "resume", own)
     if not os.path.isdir(os.path.join(path, "state")):
-        raise ValueError(f"--resume {path} holds no training state (a state/ folder): give a "
-                         "runs/{run_name} that a stopped run or --save-every saved")
+        raise ValueError(
+            f"--resume {path} holds no training state (a state/ folder): give a "
+            "runs/{run_name} that a stopped run or --save-every saved"
+        )
     try:
         with checkpoints(path) as manager:
             done = manager.latest_step()
-            meta = manager.restore(done, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        meta = dict(meta["meta"], done=done)
+            items = ocp.args.Composite(meta=ocp.args.JsonRestore())
+            meta = dict(manager.restore(done, args=items)["meta"], done=done)
         if meta["script"] != os.path.basename(__file__):
             raise ValueError(f"{meta['script']} saved it: resume it with that script")
-        args = check_args(Args(**{**meta["args"], **{k: getattr(cli, k) for k in ok[1:]}}))
+        args = check_args(Args(**{**meta["args"], **{k: getattr(cli, k) for k in own}}))
     except Exception as error:  # missing, corrupt, another script's
-        raise ValueError(f"--resume {path} is not a run saved by {os.path.basename(__file__)} "
-                         f"({error!r:.200})") from None
+        raise ValueError(
+            f"--resume {path} is not a run saved by {os.path.basename(__file__)} "
+            f"({error!r:.200})"
+        ) from None
     if done == args.num_iterations:
-        raise ValueError(f"--resume {path}: the run has finished; --eval-checkpoint {path} "
-                         "evaluates it")
+        raise ValueError(
+            f"--resume {path}: the run has finished; --eval-checkpoint {path} "
+            "evaluates it"
+        )
     return args, meta
 
 
-def restore_state(run_dir: str, done: int, like: TrainState) -> tuple[TrainState, dict, int]:
+def restore_state(
+    run_dir: str, done: int, like: TrainState
+) -> tuple[TrainState, dict, int]:
     """The state saved after `done` iterations, placed on the devices as `like`, and the metrics."""
+    items = ocp.args.Composite(
+        state=ocp.args.StandardRestore(like), history=ocp.args.StandardRestore()
+    )
     with checkpoints(run_dir) as manager:
-        saved = manager.restore(done, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(like), history=ocp.args.StandardRestore()))
+        saved = manager.restore(done, args=items)
     return saved["state"], {k: np.array(v) for k, v in saved["history"].items()}, done
 
 
-def save_model(folder: str, args: Args, params, norm) -> None:
+def save_model(folder: str, args: Args, params, norm: Norm) -> None:
     """An Orbax checkpoint per seed, seed_{seed}: its params and statistics, and the Args."""
+    flags = dict(script=os.path.basename(__file__), args=dataclasses.asdict(args))
     for i, seed in enumerate(args.seeds):
+        params_i, norm_i = jax.tree.map(lambda x: x[i], (params, norm))
+        items = ocp.args.Composite(
+            params=ocp.args.StandardSave(params_i),
+            norm=ocp.args.StandardSave(norm_i),
+            args=ocp.args.JsonSave(flags),
+        )
         ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
-            os.path.abspath(f"{folder}/seed_{seed}"), args=ocp.args.Composite(
-                params=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], params)),
-                norm=ocp.args.StandardSave(jax.tree.map(lambda x: x[i], norm)),
-                args=ocp.args.JsonSave(dict(script=os.path.basename(__file__),
-                                            args=dataclasses.asdict(args)))))
+            os.path.abspath(f"{folder}/seed_{seed}"), args=items
+        )
 
 
 def keep(run_dir: str, what: str, write) -> tuple[Optional[str], str]:
@@ -977,13 +1342,16 @@ def keep(run_dir: str, what: str, write) -> tuple[Optional[str], str]:
             os.makedirs(folder, exist_ok=True)
             with quiet():
                 write(folder)
-            return folder, f"saved {what}: {folder}" + (f" (not {'; '.join(errors)})"
-                                                          if errors else "")
+            not_there = f" (not {'; '.join(errors)})" if errors else ""
+            return folder, f"saved {what}: {folder}{not_there}"
         except Exception as error:  # OSError, or Orbax's own on a full disk
-            errors.append(f"{folder}: {str(error).splitlines()[0][:160] or repr(error)}")
-            for partial in glob.glob(f"{glob.escape(folder)}/**/*.orbax-checkpoint-tmp*",
-                                     recursive=True):
-                shutil.rmtree(partial, ignore_errors=True)  # Orbax's half-written folders
+            errors.append(
+                f"{folder}: {str(error).splitlines()[0][:160] or repr(error)}"
+            )
+            partials = f"{glob.escape(folder)}/**/*.orbax-checkpoint-tmp*"
+            # Orbax's half-written folders
+            for partial in glob.glob(partials, recursive=True):
+                shutil.rmtree(partial, ignore_errors=True)
     return None, f"could not save {what}, lost: " + "; ".join(errors)
 
 
@@ -999,11 +1367,11 @@ def quiet():  # Orbax's threads print a failed write's tracebacks: keep them off
         os.close(devnull)
 
 
-# ========================================== Main ===========================================
+# ========================================== Logging ========================================
 def final_return(metrics: dict) -> np.ndarray:
     """Mean episodic return over the last 5% of iterations, per seed (NaN if none ended)."""
-    last = np.asarray(metrics["charts/episodic_return"])
-    last = last[..., -max(1, last.shape[-1] // 20):]
+    returns = np.asarray(metrics["charts/episodic_return"])
+    last = returns[..., -max(1, returns.shape[-1] // 20) :]
     ended = (~np.isnan(last)).sum(-1)
     return np.where(ended > 0, np.nansum(last, -1) / np.maximum(ended, 1), np.nan)
 
@@ -1011,19 +1379,33 @@ def final_return(metrics: dict) -> np.ndarray:
 def first_nonfinite(args: Args, metrics: dict, params=None) -> Optional[str]:
     """Where a run first went NaN or infinite: in the losses of the iterations in `metrics`, else
     in the final `params`."""
-    names = [k for k in metrics if k.startswith("losses/") and k != "losses/explained_variance"]
-    bad = np.stack([~np.isfinite(np.asarray(metrics[k])) for k in names], -1)  # [seed, i, name]
-    bad_params = np.any([~np.isfinite(x.reshape(len(x), -1)).all(-1)
-                         for x in jax.tree.leaves(params)], axis=0)  # [seed]
+    names = [
+        k
+        for k in metrics
+        if k.startswith("losses/") and k != "losses/explained_variance"
+    ]
+    # [seed, i, name]
+    bad = np.stack([~np.isfinite(np.asarray(metrics[k])) for k in names], -1)
+    # [seed]
+    bad_params = np.any(
+        [~np.isfinite(x.reshape(len(x), -1)).all(-1) for x in jax.tree.leaves(params)],
+        axis=0,
+    )
     if bad.any():
-        seed, i, k = min(zip(*np.nonzero(bad)), key=lambda sik: sik[1:])
+        seed, i, k = min(zip(*np.nonzero(bad)), key=lambda sik: sik[1:])  # the earliest
         what = f"{names[k]} is {float(metrics[names[k]][seed, i])}"
     elif bad_params.any():
-        seed, i, what = bad_params.argmax(), args.num_iterations - 1, "the weights are not finite"
+        seed, i, what = (
+            bad_params.argmax(),
+            args.num_iterations - 1,
+            "the weights are not finite",
+        )
     else:
         return None
-    return (f"seed {args.seed + seed}: {what} at iteration {i + 1} of {args.num_iterations} "
-            f"(global_step {(i + 1) * args.batch_size}); the run diverged")
+    return (
+        f"seed {args.seed + seed}: {what} at iteration {i + 1} of {args.num_iterations} "
+        f"(global_step {(i + 1) * args.batch_size}); the run diverged"
+    )
 
 
 def init_wandb(args: Args, stamp: int, ids=None) -> list:
@@ -1032,20 +1414,29 @@ def init_wandb(args: Args, stamp: int, ids=None) -> list:
     import wandb
 
     def offline(why: str) -> str:
-        print(f"notice: --track {why}; logging offline to ./wandb, `wandb sync` uploads it later",
-              file=sys.stderr)
+        print(
+            f"notice: --track {why}; logging offline to ./wandb, `wandb sync` uploads it later",
+            file=sys.stderr,
+        )
         return "offline"
 
-    mode, runs = None, []  # None: W&B's choice (WANDB_MODE, else online)
-    if (os.environ.get("WANDB_MODE") not in ("offline", "disabled")
-            and not wandb.login(prompt=False, verify=False)):
+    mode = None  # W&B's choice: WANDB_MODE, else online
+    no_key = not wandb.login(prompt=False, verify=False)
+    if os.environ.get("WANDB_MODE") not in ("offline", "disabled") and no_key:
         mode = offline("found no W&B credentials (`wandb login` or WANDB_API_KEY)")
+    runs = []
     for i, seed in enumerate(args.seeds):
-        settings = dict(project=args.wandb_project_name, entity=args.wandb_entity, save_code=True,
-                        name=f"{args.env_id}__{args.exp_name}__{seed}__{stamp}",
-                        group=f"{args.env_id}__{args.exp_name}__{stamp}", reinit="create_new",
-                        config={**dataclasses.asdict(args), "seed": seed},
-                        id=ids[i] if ids else None, resume="allow" if ids else None)
+        settings = dict(
+            project=args.wandb_project_name,
+            entity=args.wandb_entity,
+            name=f"{args.env_id}__{args.exp_name}__{seed}__{stamp}",
+            group=f"{args.env_id}__{args.exp_name}__{stamp}",
+            config={**dataclasses.asdict(args), "seed": seed},
+            id=ids[i] if ids else None,
+            resume="allow" if ids else None,
+            save_code=True,
+            reinit="create_new",
+        )
         try:
             run = wandb.init(mode=mode, **settings)
         except wandb.errors.Error as error:  # no network, or a key the server rejects
@@ -1060,27 +1451,111 @@ def progress(args: Args, metrics: dict, done: int, first: int, seconds: float) -
     """The console line after `done` iterations, `seconds` after resuming from `first`."""
     step, total = done * args.batch_size, args.num_iterations * args.batch_size
     returns = metrics["charts/episodic_return"][:, :done]
-    last = np.where(np.isnan(returns), -1, np.arange(done)).max(-1)  # an episode ended there
+    # an episode ended there
+    last = np.where(np.isnan(returns), -1, np.arange(done)).max(-1)
     latest = np.where(last >= 0, returns[np.arange(len(returns)), last], np.nan)
-    return (f"global_step={step:>9d} ({step / total:4.0%}, "
-            f"{seconds * (args.num_iterations - done) / (done - first):.0f} s left)  "
-            f"episodic_return={' '.join(f'{r:.1f}' for r in latest)}  "
-            f"SPS={(done - first) * args.batch_size * args.num_seeds / seconds:,.0f}")
+    left = seconds * (args.num_iterations - done) / (done - first)
+    sps = (done - first) * args.batch_size * args.num_seeds / seconds
+    return (
+        f"global_step={step:>9d} ({step / total:4.0%}, {left:.0f} s left)  "
+        f"episodic_return={' '.join(f'{r:.1f}' for r in latest)}  SPS={sps:,.0f}"
+    )
+
+
+# ========================================== Main ===========================================
+def train(args: Args, program, run_dir: str, first: int, meta: dict, wandb_runs: list):
+    """Train in chunks from iteration `first`, logging each. The first SIGINT or SIGTERM stops at
+    the end of the chunk under way and saves the state; a second stops at once: (state, metrics,
+    iterations done, failure or None, the stopping signal or 0)."""
+    start = restore_state(run_dir, first, program[0]()) if first else None
+    signals, logged, printed, saved_at, failure = [], first, 0.0, first, None
+
+    def on_signal(signum, frame):
+        signals.append(signum)
+        for s in (signal.SIGINT, signal.SIGTERM):  # a second one stops at once
+            signal.signal(s, signal.SIG_DFL)
+
+    def save(state, metrics, done):
+        return keep(
+            run_dir,
+            "the training state",
+            functools.partial(
+                save_state, state=state, metrics=metrics, done=done, meta=meta
+            ),
+        )
+
+    def after_chunk(state, metrics, done, seconds):
+        """On the host, between compiled chunks."""
+        nonlocal logged, printed, saved_at, failure
+        for i in range(logged, done):  # W&B: every iteration
+            for seed_index, wandb_run in enumerate(wandb_runs):
+                wandb_run.log({k: v[seed_index, i].item() for k, v in metrics.items()})
+        logged = done
+        if time.time() - printed >= 1 or done == args.num_iterations:  # a line a second
+            printed = time.time()
+            print(progress(args, metrics, done, first, seconds), flush=True)
+        failure = first_nonfinite(args, {k: v[:, :done] for k, v in metrics.items()})
+        if args.save_every and done - saved_at >= args.save_every and not failure:
+            folder, line = save(state, metrics, done)
+            if folder:
+                saved_at = done
+                print(line, flush=True)
+            else:
+                print(f"warning: {line}", file=sys.stderr, flush=True)
+        stop = bool(signals)
+        if jax.process_count() > 1:  # a signal to any host stops all of them
+            stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
+        return not (failure or stop)
+
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        state, metrics, compile_s, (train_s,) = run(args, program, start, after_chunk)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    done, signum = logged, signals[0] if signals else 0
+    if signum and not failure and done < args.num_iterations:  # keep this boundary
+        folder, line = save(state, metrics, done)
+        resume = (
+            f"; resume with: python {meta['script']} --resume {folder}"
+            if folder
+            else ""
+        )
+        print(
+            f"stopped by {signal.Signals(signum).name} at iteration {done} of "
+            f"{args.num_iterations}; {line}{resume}",
+            file=sys.stderr,
+        )
+        return state, metrics, done, failure, signum
+    metrics = {k: v[:, :done] for k, v in metrics.items()}
+    steps = (done - first) * args.batch_size * args.num_seeds
+    finals = final_return(metrics)
+    for wandb_run, final in zip(wandb_runs, finals):
+        wandb_run.summary["final_episodic_return"] = float(final)
+    print(
+        f"summary: env={args.env_id} seeds={list(args.seeds)} "
+        f"final_episodic_return={[round(float(r), 2) for r in finals]} "
+        f"env_steps={steps} compile_s={compile_s:.1f} train_s={train_s:.1f} "
+        f"SPS={steps / train_s:,.0f}"
+    )
+    return state, metrics, done, failure, 0
 
 
 def main(args: Args) -> None:
-    stamp, script, reserved, meta = int(time.time()), os.path.basename(__file__), None, {}
     if jax.process_index():  # only process 0 prints and logs
         sys.stdout = open(os.devnull, "w")
-    try:  # what can be refused before training is, in one line with exit code 2
+    run_dir, meta, reserved = None, {}, False
+    # parse: what can be refused is, before anything compiles, in one line with exit code 2
+    try:
         if args.eval_checkpoint:
-            args, *saved = load_run(args)
+            args, params, norm = load_run(args)
+            stamp = int(time.time())
         elif args.resume:
             run_dir, (args, meta) = args.resume, load_stopped(args)
             stamp = meta["stamp"]
         else:
             args = check_args(args)
-            run_dir, stamp = reserve_run_dir(args, stamp)
+            run_dir, stamp = reserve_run_dir(args)
             reserved = jax.process_index() == 0  # the host that made the folder
         program = None if args.eval_checkpoint else compile_run(args)
     except ValueError as error:
@@ -1088,84 +1563,62 @@ def main(args: Args) -> None:
             os.rmdir(run_dir)  # empty: this run made it
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    wandb_runs = (init_wandb(args, stamp, meta.get("wandb_ids"))
-                  if args.track and jax.process_index() == 0 else [])
-    failure, stopped, exit_code = None, False, 0
+    wandb_runs = []
+    if args.track and jax.process_index() == 0:
+        wandb_runs = init_wandb(args, stamp, meta.get("wandb_ids"))
+    failure, signum, exit_code = None, 0, 0
+    # train, or continue a stopped run
     if not args.eval_checkpoint:
         first = meta.get("done", 0)  # iterations run before a resume
-        start = restore_state(run_dir, first, program[0]()) if first else None
-        meta = dict(script=script, args=dataclasses.asdict(args), stamp=stamp,
-                    wandb_ids=meta.get("wandb_ids") or [run.id for run in wandb_runs])
-        signals, logged, printed, saved_at = [], first, 0.0, first
+        wandb_ids = meta.get("wandb_ids") or [wandb_run.id for wandb_run in wandb_runs]
+        meta = dict(
+            script=os.path.basename(__file__),
+            args=dataclasses.asdict(args),
+            stamp=stamp,
+            wandb_ids=wandb_ids,
+        )
+        state, metrics, done, failure, signum = train(
+            args, program, run_dir, first, meta, wandb_runs
+        )
+        # every seed, on every host
+        params, norm = jax.tree.map(
+            np.asarray,
+            multihost_utils.process_allgather(
+                (state.params, state.runner.norm), tiled=True
+            ),
+        )
+        if not (signum or failure):
+            failure = first_nonfinite(args, metrics, params)
+    # save
+    if args.save_model and not (failure or signum):
 
-        def on_signal(signum, frame):  # stop at the end of the chunk under way
-            signals.append(signum)
-            for s in (signal.SIGINT, signal.SIGTERM):  # a second one stops at once
-                signal.signal(s, signal.SIG_DFL)
-
-        def after_chunk(state, metrics, done, seconds):  # on the host, between compiled chunks
-            nonlocal failure, logged, printed, saved_at
-            for i in range(logged, done):  # W&B: every iteration
-                for seed_index, wandb_run in enumerate(wandb_runs):
-                    wandb_run.log({k: v[seed_index, i].item() for k, v in metrics.items()})
-            logged = done
-            if time.time() - printed >= 1 or done == args.num_iterations:  # a line a second
-                printed = time.time()
-                print(progress(args, metrics, done, first, seconds), flush=True)
-            failure = first_nonfinite(args, {k: v[:, :done] for k, v in metrics.items()})
-            if args.save_every and done - saved_at >= args.save_every and not failure:
-                folder, line = keep(run_dir, "the training state",
-                                    lambda folder: save_state(folder, state, metrics, done, meta))
-                saved_at = done if folder else saved_at
-                print(line if folder else f"warning: {line}", file=sys.stdout if folder
-                      else sys.stderr, flush=True)
-            stop = bool(signals)
-            if jax.process_count() > 1:  # a signal to any host stops all of them
-                stop = bool(multihost_utils.process_allgather(np.int32(stop)).max())
-            return not (failure or stop)
-
-        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            state, metrics, compile_s, (train_s,) = run(args, program, start, after_chunk)
-        finally:
-            for s, handler in handlers.items():
-                signal.signal(s, handler)
-        done = logged
-        if signals and not failure and done < args.num_iterations:  # keep this boundary
-            folder, line = keep(run_dir, "the training state",
-                                lambda folder: save_state(folder, state, metrics, done, meta))
-            print(f"stopped by {signal.Signals(signals[0]).name} at iteration {done} of "
-                  f"{args.num_iterations}; {line}"
-                  + (f"; resume with: python {script} --resume {folder}" if folder else ""),
-                  file=sys.stderr)
-            stopped, exit_code = True, 128 + signals[0]
-        else:
-            metrics = {k: v[:, :done] for k, v in metrics.items()}
-            saved = jax.tree.map(np.asarray, multihost_utils.process_allgather(
-                (state.params, state.runner.norm), tiled=True))  # every seed, on every host
-            failure = failure or first_nonfinite(args, metrics, saved[0])
-            finals, steps = final_return(metrics), (done - first) * args.batch_size * args.num_seeds
-            for wandb_run, final in zip(wandb_runs, finals):
-                wandb_run.summary["final_episodic_return"] = float(final)
-            print(f"summary: env={args.env_id} seeds={list(args.seeds)} "
-                  f"final_episodic_return={[round(float(r), 2) for r in finals]} "
-                  f"env_steps={steps} compile_s={compile_s:.1f} train_s={train_s:.1f} "
-                  f"SPS={steps / train_s:,.0f}")
-    if args.save_model and not (failure or stopped):
-        def save(folder):  # each seed's model, and the state with every iteration's metrics
-            save_model(folder, args, *saved)
+        def write(folder):
+            """Each seed's model, and the state with every iteration's metrics."""
+            save_model(folder, args, params, norm)
             save_state(folder, state, metrics, done, meta)
 
-        folder, line = keep(run_dir, "the model", save)
-        print(line if folder else f"error: {line}", file=sys.stdout if folder else sys.stderr)
+        folder, line = keep(run_dir, "the model", write)
+        print(
+            line if folder else f"error: {line}",
+            file=sys.stdout if folder else sys.stderr,
+        )
         exit_code = 0 if folder else 1
-    if (args.eval_episodes or args.eval_checkpoint) and not (failure or stopped):
-        returns = evaluate(args, *saved)
+    # evaluate
+    if (args.eval_episodes or args.eval_checkpoint) and not (failure or signum):
+        returns = evaluate(args, params, norm)
         for wandb_run, r in zip(wandb_runs, returns):
-            wandb_run.log({"eval/episodic_return": r.mean(), "eval/episodic_return_std": r.std()})
-        print(f"eval: {returns.shape[1]} episodes, deterministic={args.eval_deterministic}, "
-              "eval/episodic_return=" + " ".join(f"{r.mean():.2f}+-{r.std():.2f}" for r in returns))
-    exit_code = 1 if failure else exit_code
+            wandb_run.log(
+                {"eval/episodic_return": r.mean(), "eval/episodic_return_std": r.std()}
+            )
+        summary = " ".join(f"{r.mean():.2f}+-{r.std():.2f}" for r in returns)
+        print(
+            f"eval: {returns.shape[1]} episodes, deterministic={args.eval_deterministic}, "
+            f"eval/episodic_return={summary}"
+        )
+    if failure:
+        exit_code = 1
+    elif signum:
+        exit_code = 128 + signum
     for wandb_run in wandb_runs:
         wandb_run.finish(exit_code=exit_code)
     if reserved and not os.listdir(run_dir):
@@ -1179,6 +1632,10 @@ def main(args: Args) -> None:
 if __name__ == "__main__":
     try:
         main(tyro.cli(Args))
-    except KeyboardInterrupt:  # while compiling, saving or evaluating: training has its handler
-        print("stopped by SIGINT outside training; what was saved is kept", file=sys.stderr)
+    # while compiling, saving or evaluating: training has its handler
+    except KeyboardInterrupt:
+        print(
+            "stopped by SIGINT outside training; what was saved is kept",
+            file=sys.stderr,
+        )
         sys.exit(130)
