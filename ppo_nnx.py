@@ -184,8 +184,8 @@ class Output(NamedTuple):
     next_state: Any  # the carry for the next step, [B, ...]
     output: Any  # what the caller consumes
     regularization_loss: jax.Array  # [B], added to the PPO loss
-    metrics: dict  # scalars worth logging
-    rollout_extras: Any  # what replay needs to reproduce this call
+    metrics: dict = {}  # scalars worth logging (never written to)
+    rollout_extras: Any = ()  # what replay needs to reproduce this call
 
 
 class StatefulModule(nnx.Module):
@@ -291,7 +291,6 @@ class VariationalBottleneck(KeyCarryModule):
             output=mean + std * normal_per_env(noise_key, mean),
             regularization_loss=self.kl_coef * kl,
             metrics={"losses/kl": kl.mean()},
-            rollout_extras=(),
         )
 
 
@@ -319,7 +318,6 @@ class CategoricalSampler(KeyCarryModule):
                 mode=logits.argmax(-1),
             ),
             regularization_loss=jnp.zeros_like(log_prob),
-            metrics={},
             rollout_extras=action,
         )
 
@@ -356,7 +354,6 @@ class GaussianSampler(KeyCarryModule):
                 mode=jnp.clip(mean, low, high),
             ),
             regularization_loss=jnp.zeros_like(log_prob),
-            metrics={},
             rollout_extras=raw,
         )
 
@@ -381,7 +378,8 @@ class ActorCritic(StatefulModule):
         )
         self.sampler = sampler
         self.critic = mlp([obs_size, h, h, 1], 1.0, activation, rngs)
-        self.stateful = ("bottleneck", "sampler") if args.latent_size else ("sampler",)
+        stateful = ("bottleneck", "sampler")
+        self.stateful = stateful if args.latent_size else ("sampler",)
 
     def value(self, obs: jax.Array) -> jax.Array:  # V(obs), [B]
         return self.critic(obs)[..., 0]

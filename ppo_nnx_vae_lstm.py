@@ -187,8 +187,8 @@ class Output(NamedTuple):
     next_state: Any  # the carry for the next step, [B, ...]
     output: Any  # what the caller consumes
     regularization_loss: jax.Array  # [B], added to the PPO loss
-    metrics: dict  # scalars worth logging
-    rollout_extras: Any  # what replay needs to reproduce this call
+    metrics: dict = {}  # scalars worth logging (never written to)
+    rollout_extras: Any = ()  # what replay needs to reproduce this call
 
 
 class StatefulModule(nnx.Module):
@@ -214,9 +214,7 @@ class StatefulModule(nnx.Module):
             name: getattr(self, name).reset_state(carry[name]) for name in self.stateful
         }
 
-    def unroll(
-        self, carry: Any, xs: Any, done: jax.Array, rollout_extras=None
-    ) -> Output:
+    def unroll(self, carry, xs, done: jax.Array, rollout_extras=None) -> Output:
         """T calls on [T, B, ...] from `carry`, reset after `done` steps (`next_state`: before the
         reset). Loss replay runs this; overrides batch what does not depend on the last step."""
 
@@ -288,12 +286,8 @@ class KeyCarryModule(StatefulModule):
         def steps(tree):  # [T * B, ...] -> [T, B, ...]
             return jax.tree.map(lambda x: x.reshape(done.shape + x.shape[1:]), tree)
 
-        return out._replace(
-            next_state=steps(out.next_state),
-            output=steps(out.output),
-            regularization_loss=steps(out.regularization_loss),
-            rollout_extras=steps(out.rollout_extras),
-        )
+        sequences = steps(out._replace(metrics={}))  # the metrics are scalars already
+        return sequences._replace(metrics=out.metrics)
 
 
 ACTIVATIONS = {"tanh": jnp.tanh, "relu": jax.nn.relu}  # --activation
@@ -333,7 +327,6 @@ class VariationalBottleneck(KeyCarryModule):
             output=mean + std * normal_per_env(noise_key, mean),
             regularization_loss=self.kl_coef * kl,
             metrics={"losses/kl": kl.mean()},
-            rollout_extras=(),
         )
 
 
@@ -361,7 +354,6 @@ class CategoricalSampler(KeyCarryModule):
                 mode=logits.argmax(-1),
             ),
             regularization_loss=jnp.zeros_like(log_prob),
-            metrics={},
             rollout_extras=action,
         )
 
@@ -398,7 +390,6 @@ class GaussianSampler(KeyCarryModule):
                 mode=jnp.clip(mean, low, high),
             ),
             regularization_loss=jnp.zeros_like(log_prob),
-            metrics={},
             rollout_extras=raw,
         )
 
@@ -426,11 +417,7 @@ class LSTM(StatefulModule):
     def __call__(self, carry, x, rollout_extras=None):
         c, h = self.cell_step(carry, self.cell.dense_i(x))
         return Output(
-            next_state=(c, h),
-            output=h,
-            regularization_loss=jnp.zeros(x.shape[0]),
-            metrics={},
-            rollout_extras=(),
+            next_state=(c, h), output=h, regularization_loss=jnp.zeros(x.shape[0])
         )
 
     def unroll(self, carry, xs, done, rollout_extras=None):
@@ -447,8 +434,6 @@ class LSTM(StatefulModule):
             next_state=next_carries,
             output=next_carries[1],
             regularization_loss=jnp.zeros(done.shape),
-            metrics={},
-            rollout_extras=(),
         )
 
 
@@ -462,23 +447,19 @@ class ActorCritic(StatefulModule):
         encoder = mlp([obs_size, h], math.sqrt(2), activation, rngs)
         # the encoder's features come activated, as the hidden layers' do
         self.encoder = nnx.Sequential(*encoder.layers, activation)
-        self.lstm = LSTM(h, args.lstm_size, rngs)
-        features = args.latent_size or args.lstm_size
+        lstm_size = args.lstm_size
+        self.lstm = LSTM(h, lstm_size, rngs)
+        features = args.latent_size or lstm_size
         self.bottleneck = None  # built only if asked: its init draws from rngs
         if args.latent_size:
             self.bottleneck = nnx.data(
-                VariationalBottleneck(
-                    args.lstm_size, args.latent_size, args.kl_coef, rngs
-                )
+                VariationalBottleneck(lstm_size, args.latent_size, args.kl_coef, rngs)
             )
         self.actor_head = mlp([features, h, action_head], 0.01, activation, rngs)
         self.sampler = sampler
         self.critic = mlp([features, h, 1], 1.0, activation, rngs)
-        self.stateful = (
-            ("lstm", "bottleneck", "sampler")
-            if args.latent_size
-            else ("lstm", "sampler")
-        )
+        stateful = ("lstm", "bottleneck", "sampler")
+        self.stateful = stateful if args.latent_size else ("lstm", "sampler")
 
     def value(self, carry, obs: jax.Array) -> jax.Array:
         """V(obs), [B], from the state `carry`: the critic reads the LSTM's features."""
