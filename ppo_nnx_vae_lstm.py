@@ -962,15 +962,28 @@ def over_seeds(f, per_seed):
     return jax.tree.map(functools.partial(jnp.expand_dims, axis=0), f(one))
 
 
+def env_placement(args: Args, mesh, state: TrainState) -> TrainState:
+    """Shardings for --shard-envs: the runner's [seed, env, ...] arrays split envs over the
+    devices, everything else is whole on each."""
+    seeds = NamedSharding(mesh, P("seeds"))
+    per_env = NamedSharding(mesh, P("seeds", "envs"))
+
+    def placed(x):
+        return per_env if x.ndim > 1 and x.shape[1] == args.num_envs else seeds
+
+    whole = jax.tree.map(lambda _: seeds, state)
+    return whole._replace(runner=jax.tree.map(placed, state.runner))
+
+
 def compile_run(args: Args):
     """The programs that train seeds args.seed .. args.seed + num_seeds - 1 (seed i of N trains as
     `--seed i` alone) on the devices: (init() -> state, chunk(state, n) -> (state, metrics
     [seed, chunk_size], NaN past n), compile seconds). A run that cannot fit in the devices'
     memory is refused here, before it trains.
 
-    Placement is data: every array's axis 0 (the seeds) splits over the mesh's "seeds" axis and,
-    with --shard-envs, each per-env array's axis 1 over "envs"; jax.jit partitions the one-device
-    program to match and adds the sums over devices it needs."""
+    Seeds are independent: each device runs the one-device program on its share (shard_map).
+    With --shard-envs, one seed's per-env arrays split their axis 1 over the devices, and jax.jit
+    partitions the one-device program to match, adding the sums over devices it needs."""
     init, chunk = make_chunk(args)
     # GSPMD: Shardy (jax 0.11) cannot lower Philox's mulhi for arrays split over processes
     jax.config.update("jax_use_shardy_partitioner", False)
@@ -987,23 +1000,29 @@ def compile_run(args: Args):
         return over_seeds(functools.partial(chunk, n=n, size=args.chunk_size), state)
 
     seeds = NamedSharding(mesh, P("seeds"))
-    per_env = NamedSharding(mesh, P("seeds", "envs"))
-
-    def placed(x):  # the runner's [seed, env, ...] arrays split envs too
-        return per_env if x.ndim > 1 and x.shape[1] == args.num_envs else seeds
-
-    # on every host, the seeds of its own devices
-    seed_index = jax.make_array_from_callback(
-        (args.num_seeds,), seeds, lambda i: np.arange(args.num_seeds)[i]
-    )
-    state = jax.eval_shape(init_seeds, seed_index)
-    shardings = jax.tree.map(lambda _: seeds, state)
-    shardings = shardings._replace(runner=jax.tree.map(placed, state.runner))
-    start = time.time()
-    init_seeds = jax.jit(init_seeds, out_shardings=shardings)
-    init_seeds = init_seeds.lower(seed_index).compile()
     replicated = NamedSharding(mesh, P())  # the metrics, for every host to read
-    chunk_seeds = jax.jit(chunk_seeds, out_shardings=(shardings, replicated))
+
+    def seed_numbers(index):  # on every host, the seeds of its own devices
+        return np.arange(args.num_seeds)[index]
+
+    seed_index = jax.make_array_from_callback((args.num_seeds,), seeds, seed_numbers)
+    start = time.time()
+    if mesh.size == 1:  # the plain program: no placement to arrange
+        init_seeds, chunk_seeds = jax.jit(init_seeds), jax.jit(chunk_seeds)
+    elif args.shard_envs:
+        placement = env_placement(args, mesh, jax.eval_shape(init_seeds, seed_index))
+        init_seeds = jax.jit(init_seeds, out_shardings=placement)
+        chunk_seeds = jax.jit(chunk_seeds, out_shardings=(placement, replicated))
+    else:
+        # check_vma=False: no collective runs inside, and the scans' carries need no typing
+        over_devices = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+        init_seeds = over_devices(init_seeds, in_specs=P("seeds"), out_specs=P("seeds"))
+        chunk_seeds = over_devices(
+            chunk_seeds, in_specs=(P("seeds"), P()), out_specs=P("seeds")
+        )
+        init_seeds = jax.jit(init_seeds, out_shardings=seeds)
+        chunk_seeds = jax.jit(chunk_seeds, out_shardings=(seeds, replicated))
+    init_seeds = init_seeds.lower(seed_index).compile()
     chunk_seeds = chunk_seeds.lower(init_seeds.out_info, args.chunk_size).compile()
     check_memory(args, chunk_seeds)
     return functools.partial(init_seeds, seed_index), chunk_seeds, time.time() - start
