@@ -18,6 +18,7 @@ The table gives medians over every timed run, and the ratios of env steps per se
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -43,17 +44,27 @@ def child(folder: str, flags: dict) -> None:
 
 
 def measure(folder: Path, flags: dict) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--child", str(folder), json.dumps(flags)],
-                            capture_output=True, text=True, timeout=1200, check=True)
+    result = subprocess.run(
+        [sys.executable, __file__, "--child", str(folder), json.dumps(flags)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=True,
+    )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--against", metavar="REV", help="a git revision of ppo_nnx.py to time")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/chunks.md")
+    parser.add_argument(
+        "--against", metavar="REV", help="a git revision of ppo_nnx.py to time"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks/results/chunks.md"
+    )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
@@ -63,9 +74,14 @@ def main():
     if options.against:
         other = Path(tempfile.mkdtemp()) / options.against
         other.mkdir(parents=True)
-        (other / "ppo_nnx.py").write_bytes(subprocess.run(
-            ["git", "show", f"{options.against}:ppo_nnx.py"], cwd=ROOT, capture_output=True,
-            check=True).stdout)
+        (other / "ppo_nnx.py").write_bytes(
+            subprocess.run(
+                ["git", "show", f"{options.against}:ppo_nnx.py"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            ).stdout
+        )
         folders[options.against] = other
     runs = {}
     for k in range(options.rounds):
@@ -76,29 +92,42 @@ def main():
                     flags["chunk_iterations"] = steps // (4 * 128)
                 result = measure(folder, flags)
                 runs.setdefault((name, seeds), []).append(result)
-                print(f"round {k + 1}, {name}, {seeds} seed(s): "
-                      f"{result['env_steps'] / statistics.median(result['train_s']):,.0f} "
-                      "env steps/s", flush=True)
+                print(
+                    f"round {k + 1}, {name}, {seeds} seed(s): "
+                    f"{result['env_steps'] / statistics.median(result['train_s']):,.0f} "
+                    "env steps/s",
+                    flush=True,
+                )
 
     def rate(name, seeds):  # the median over every timed run of every round
         results = runs[name, seeds]
         return results[0]["env_steps"] / statistics.median(
-            [t for result in results for t in result["train_s"]])
+            [t for result in results for t in result["train_s"]]
+        )
 
-    lines = ["# Training in chunks beside one compiled call", "",
-             f"`python benchmarks/chunks.py --rounds {options.rounds}"
-             + (f" --against {options.against}`" if options.against else "`")
-             + f", on {describe(machine(), versions())}. "
-             f"{options.rounds} rounds of alternating processes, 3 timed runs per process; "
-             "CleanRL's CartPole settings (4 envs x 128 steps, 4 epochs, 4 minibatches); "
-             "medians over all runs.", "",
-             "| configuration | seeds | env steps/s | compile (s) | / chunks |",
-             "| --- | --- | --- | --- | --- |"]
+    flags = os.environ.get("XLA_FLAGS")  # fake CPU devices, when set
+    lines = [
+        "# Training in chunks beside one compiled call",
+        "",
+        "`"
+        + (f"XLA_FLAGS={flags} " if flags else "")
+        + f"python benchmarks/chunks.py --rounds {options.rounds}"
+        + (f" --against {options.against}`" if options.against else "`")
+        + f", on {describe(machine(), versions())}. "
+        f"{options.rounds} rounds of alternating processes, 3 timed runs per process; "
+        "CleanRL's CartPole settings (4 envs x 128 steps, 4 epochs, 4 minibatches); "
+        "medians over all runs.",
+        "",
+        "| configuration | seeds | env steps/s | compile (s) | / chunks |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for seeds in SEEDS:
         for name in folders:
             compile_s = statistics.median(r["compile_s"] for r in runs[name, seeds])
-            lines.append(f"| {name} | {seeds} | {rate(name, seeds):,.0f} | {compile_s:.1f} | "
-                         f"{rate(name, seeds) / rate('chunks', seeds):.3f} |")
+            lines.append(
+                f"| {name} | {seeds} | {rate(name, seeds):,.0f} | {compile_s:.1f} | "
+                f"{rate(name, seeds) / rate('chunks', seeds):.3f} |"
+            )
     options.out.write_text("\n".join(lines) + "\n")
     print(f"-> {options.out}")
 

@@ -21,18 +21,27 @@ def versions() -> dict:
 def machine() -> dict:
     model = platform.processor()
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                     if line.startswith("model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in open("/proc/cpuinfo")
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     import jax  # late: report.py describes results without importing jax
 
-    return dict(cpu=model, cores=os.cpu_count(), devices=[str(d) for d in jax.devices()],
-                python=platform.python_version())
+    return dict(
+        cpu=model,
+        cores=os.cpu_count(),
+        devices=[str(d) for d in jax.devices()],
+        python=platform.python_version(),
+    )
 
 
 def describe(info: dict, found: dict) -> str:
     """The machine and the versions, for the header of a results table."""
-    return (f"{info['cpu']} ({info['cores']} cores), devices {', '.join(info['devices'])}, "
-            f"Python {info['python']}; "
-            + ", ".join(f"{k} {v}" for k, v in found.items() if v))
+    return (
+        f"{info['cpu']} ({info['cores']} cores), devices {', '.join(info['devices'])}, "
+        f"Python {info['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in found.items() if v)
+    )

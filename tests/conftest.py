@@ -15,8 +15,20 @@ import ppo_nnx_vae_lstm
 
 TOL = 1e-6  # replay equality holds to float32 rounding, not bit for bit: see `rounding`
 # A tiny run on the command line: one compile of a few seconds, 8 iterations.
-TINY_FLAGS = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "32",
-              "--num-minibatches", "2", "--update-epochs", "1", "--hidden-size", "16"]
+TINY_FLAGS = [
+    "--total-timesteps",
+    "1024",
+    "--num-envs",
+    "4",
+    "--num-steps",
+    "32",
+    "--num-minibatches",
+    "2",
+    "--update-epochs",
+    "1",
+    "--hidden-size",
+    "16",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -34,8 +46,14 @@ def script(request):
 def tiny_args(script, **overrides):
     """Small networks and 7 iterations of 4 envs x 32 steps: past Pendulum's 200-step limit, so
     every env sees an episode end. Minibatches of 2 split both the batch and the envs."""
-    settings = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2,
-                    total_timesteps=4 * 32 * 7, hidden_size=16)
+    settings = dict(
+        num_envs=4,
+        num_steps=32,
+        num_minibatches=2,
+        update_epochs=2,
+        total_timesteps=4 * 32 * 7,
+        hidden_size=16,
+    )
     if script is ppo_nnx_vae_lstm:
         settings["lstm_size"] = 16
     return script.Args(**{**settings, **overrides})
@@ -54,8 +72,10 @@ def rounding(a, b):
 
 def replay_matched(metrics) -> bool:
     """With the parameters frozen, PPO's ratio must be 1 in every epoch, minibatch and iteration."""
-    return bool(np.all(np.asarray(metrics["losses/approx_kl"]) <= TOL)
-                and np.all(np.asarray(metrics["losses/clipfrac"]) == 0.0))
+    return bool(
+        np.all(np.asarray(metrics["losses/approx_kl"]) <= TOL)
+        and np.all(np.asarray(metrics["losses/clipfrac"]) == 0.0)
+    )
 
 
 def module_rng_bottleneck(script):
@@ -66,8 +86,9 @@ def module_rng_bottleneck(script):
             mean, std = self.mean(x), jax.nn.softplus(self.pre_std(x)) + 1e-6
             eps = jax.random.normal(self.rngs(), mean.shape)
             kl = 0.5 * jnp.sum(mean**2 + std**2 - 1.0 - 2.0 * jnp.log(std), axis=-1)
-            return script.Output(key, mean + std * eps, self.kl_coef * kl,
-                                 {"losses/kl": kl.mean()}, ())
+            return script.Output(
+                key, mean + std * eps, self.kl_coef * kl, {"losses/kl": kl.mean()}, ()
+            )
 
     return ModuleRngBottleneck
 
@@ -79,11 +100,18 @@ def start(script, args, env, env_params, key):
     carry = model.initialize_state(args.num_envs)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-        jax.random.split(reset_key, args.num_envs), env_params)
+        jax.random.split(reset_key, args.num_envs), env_params
+    )
     norm = script.init_norm(script.observe(obs, args), args)
-    runner = script.Runner(env_state, script.observe(obs, args, norm), carry,
-                           jnp.zeros(args.num_envs), jnp.zeros(args.num_envs, int), runner_key,
-                           norm)
+    runner = script.Runner(
+        env_state,
+        script.observe(obs, args, norm),
+        carry,
+        jnp.zeros(args.num_envs),
+        jnp.zeros(args.num_envs, int),
+        runner_key,
+        norm,
+    )
     return graphdef, params, rest, runner
 
 
@@ -92,14 +120,24 @@ def second_rollout(script, args, env, env_params, key):
     (graphdef, params, rest, its [T, B] transitions)."""
     graphdef, params, rest, runner = start(script, args, env, env_params, key)
     runner, _ = script.rollout(graphdef, params, rest, env, env_params, runner, args)
-    return (graphdef, params, rest,
-            script.rollout(graphdef, params, rest, env, env_params, runner, args)[1])
+    return (
+        graphdef,
+        params,
+        rest,
+        script.rollout(graphdef, params, rest, env, env_params, runner, args)[1],
+    )
 
 
 def run_cli(script, *flags, cwd=None, env=None, drop=(), timeout=300):
     """`python <script>.py flags...` in a process of its own: the environment is ours, updated
     with `env`, without the variables whose names start with a prefix in `drop`."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop))}
-    return subprocess.run([sys.executable, script.__file__, *flags], cwd=cwd,
-                          env={**environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, script.__file__, *flags],
+        cwd=cwd,
+        env={**environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

@@ -17,8 +17,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).par
 from conftest import module_rng_bottleneck  # noqa: E402
 
 script = importlib.import_module(sys.argv[1])
-bugs = {"local_moments": ("moments", lambda x: (x[: len(x) // 4].mean(0), x[: len(x) // 4].var(0))),  # one of 4 devices' envs
-        "module_rng": ("VariationalBottleneck", module_rng_bottleneck(script))}
+bugs = {
+    "local_moments": (
+        "moments",
+        lambda x: (x[: len(x) // 4].mean(0), x[: len(x) // 4].var(0)),
+    ),  # one of 4 devices' envs
+    "module_rng": ("VariationalBottleneck", module_rng_bottleneck(script)),
+}
 results = {}
 for i, run in enumerate(map(json.loads, sys.argv[3:])):
     if run["bug"]:
@@ -28,6 +33,8 @@ for i, run in enumerate(map(json.loads, sys.argv[3:])):
     params = state.params
     if run["bug"]:
         setattr(script, name, saved)
-    results.update({f"{i} param {j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(params))})
+    results.update(
+        {f"{i} param {j}": np.asarray(x) for j, x in enumerate(jax.tree.leaves(params))}
+    )
     results.update({f"{i} metric {k}": np.asarray(v) for k, v in metrics.items()})
 np.savez(sys.argv[2], **results)

@@ -21,22 +21,48 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORD, REPORT = ROOT / "benchmarks" / "record.py", ROOT / "benchmarks" / "report.py"
 LEARNING = ROOT / "benchmarks" / "learning.py"
 # 2 seeds x 2 iterations of 4 envs x 128 steps: one compile of a few seconds
-TINY = ["--total-timesteps", "1024", "--num-envs", "4", "--num-steps", "128", "--num-seeds", "2"]
+TINY = [
+    "--total-timesteps",
+    "1024",
+    "--num-envs",
+    "4",
+    "--num-steps",
+    "128",
+    "--num-seeds",
+    "2",
+]
 NAME = "ppo_nnx CartPole-v1"
 
 
 def python(script: Path, *argv):
-    return subprocess.run([sys.executable, str(script), *map(str, argv)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), *map(str, argv)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """A results folder laid out as learning.py and speed.sh make it, and report.py run on it."""
     folder = tmp_path_factory.mktemp("results")
-    for argv in (["--name", NAME, folder / "learning" / "run.json", "ppo_nnx", *TINY],
-                 ["--repeats", "2", "--name", "floor", folder / "speed" / "floor" / "round1.json",
-                  "floor", "--num-envs", "4", "--total-timesteps", "1024"]):
+    for argv in (
+        ["--name", NAME, folder / "learning" / "run.json", "ppo_nnx", *TINY],
+        [
+            "--repeats",
+            "2",
+            "--name",
+            "floor",
+            folder / "speed" / "floor" / "round1.json",
+            "floor",
+            "--num-envs",
+            "4",
+            "--total-timesteps",
+            "1024",
+        ],
+    ):
         done = python(RECORD, *argv)
         assert done.returncode == 0, done.stderr
     (folder / "side_by_side").mkdir()  # the same run, as a side-by-side one
@@ -52,8 +78,12 @@ def load(path: Path) -> dict:
 
 def csv_lines(run: dict) -> list:
     """The lines report.py should write for a run: per iteration, each seed's return, 2 decimals."""
-    return [",".join([run["name"], str(step)] + ["" if v is None else f"{v:.2f}" for v in values])
-            for step, values in zip(run["global_step"], zip(*run["episodic_return"]))]
+    return [
+        ",".join(
+            [run["name"], str(step)] + ["" if v is None else f"{v:.2f}" for v in values]
+        )
+        for step, values in zip(run["global_step"], zip(*run["episodic_return"]))
+    ]
 
 
 def test_learning_record(results):
@@ -71,7 +101,9 @@ def test_learning_record(results):
     assert run["final"] == pytest.approx([seed[-1] for seed in returns], rel=1e-6)
     assert run["final"] != pytest.approx([seed[0] for seed in returns], rel=1e-6)
     assert run["mean"] == pytest.approx(statistics.mean(run["final"]))
-    assert run["std"] == pytest.approx(statistics.pstdev(run["final"]))  # numpy's: over seeds
+    assert run["std"] == pytest.approx(
+        statistics.pstdev(run["final"])
+    )  # numpy's: over seeds
     assert run["std"] != pytest.approx(statistics.stdev(run["final"]))
     assert run["compile_s"] > 0 and len(run["train_s"]) == 1 and run["train_s"][0] > 0
     assert run["versions"]["jax"] == importlib.metadata.version("jax")
@@ -94,10 +126,14 @@ def test_report_writes_curves_and_tables(results):
     lines = (results / "CartPole-v1.csv").read_text().splitlines()
     assert lines == ["run,global_step,seed_0,seed_1"] + csv_lines(run)
     assert not (results / "Pendulum-v1.csv").exists()  # no run of that env
-    assert (results / "learning.md").stat().st_size > 0 and (results / "speed.md").stat().st_size
+    assert (results / "learning.md").stat().st_size > 0 and (
+        results / "speed.md"
+    ).stat().st_size
     row = f"| CartPole-v1 | ppo_nnx | 1,024 | {run['mean']:.1f} ± {run['std']:.1f} |"
     assert row in (results / "side_by_side.md").read_text()
-    if importlib.util.find_spec("matplotlib"):  # a benchmarks requirement, not a main one
+    if importlib.util.find_spec(
+        "matplotlib"
+    ):  # a benchmarks requirement, not a main one
         assert (results / "CartPole-v1.png").stat().st_size > 0
         assert (results / "learning.png").stat().st_size > 0
         assert (results / "side_by_side.png").stat().st_size > 0
@@ -119,12 +155,27 @@ def test_report_rewrites_from_the_files_alone(results, tmp_path):
     assert after != before and not set(after[1:]) & set(before[1:])
 
 
-@pytest.mark.parametrize("argv, message, allowed", [
-    (["nope"], "unknown SCRIPT 'nope'", "ppo_nnx_vae_lstm"),
-    (["floor", "--num-steps", "8"], "unknown flag --num-steps for floor", "--num-envs"),
-    (["ppo_nnx", "--no-such-flag", "1"], "unknown flag --no-such-flag for ppo_nnx", "--env-id"),
-    (["rejax", "--mask-velocity"], "--mask-velocity does not apply to rejax", "--activation"),
-])
+@pytest.mark.parametrize(
+    "argv, message, allowed",
+    [
+        (["nope"], "unknown SCRIPT 'nope'", "ppo_nnx_vae_lstm"),
+        (
+            ["floor", "--num-steps", "8"],
+            "unknown flag --num-steps for floor",
+            "--num-envs",
+        ),
+        (
+            ["ppo_nnx", "--no-such-flag", "1"],
+            "unknown flag --no-such-flag for ppo_nnx",
+            "--env-id",
+        ),
+        (
+            ["rejax", "--mask-velocity"],
+            "--mask-velocity does not apply to rejax",
+            "--activation",
+        ),
+    ],
+)
 def test_record_rejects_bad_input(tmp_path, argv, message, allowed):
     done = python(RECORD, tmp_path / "out.json", *argv)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
@@ -143,16 +194,22 @@ def test_rejax_adapter_counts_the_training_return():
     from record import Gymnax1To5Tuple
 
     env, params = gymnax.make("CartPole-v1")
-    params = params.replace(max_steps_in_episode=12)  # a time limit that balancing reaches
+    params = params.replace(
+        max_steps_in_episode=12
+    )  # a time limit that balancing reaches
     adapter = Gymnax1To5Tuple(env)
     step, plain_step = jax.jit(adapter.step), jax.jit(env.step)
     _, state = adapter.reset(jax.random.key(0), params)
     _, plain = env.reset(jax.random.key(0), params)
     so_far, returns, kinds = 0.0, [], set()
-    for t in range(300):  # pushing left 6 steps in 7: some episodes fall, some run out of time
+    for t in range(
+        300
+    ):  # pushing left 6 steps in 7: some episodes fall, some run out of time
         key, action = jax.random.key(t + 1), int(t % 7 == 6)
         _, state, *_ = step(key, state, action, params)
-        _, plain, reward, terminated, truncated, _ = plain_step(key, plain, action, params)
+        _, plain, reward, terminated, truncated, _ = plain_step(
+            key, plain, action, params
+        )
         so_far += float(reward)
         if terminated or truncated:
             returns, so_far = returns + [so_far], 0.0
@@ -171,10 +228,13 @@ def test_rejax_training_return_per_iteration():
 
     summed = [[10.0, 10.0, 40.0], [0.0, 6.0, 6.0]]  # 2 seeds x 3 iterations, after each
     ended = [[1, 1, 3], [0, 2, 2]]
-    np.testing.assert_array_equal(per_iteration(summed, ended),
-                                  [[10.0, np.nan, 15.0], [np.nan, 3.0, np.nan]])
+    np.testing.assert_array_equal(
+        per_iteration(summed, ended), [[10.0, np.nan, 15.0], [np.nan, 3.0, np.nan]]
+    )
     # negative control: the totals themselves divided are not the per-iteration means
-    assert not np.allclose(np.divide(summed, np.maximum(ended, 1)), [[10, 0, 15], [0, 3, 0]])
+    assert not np.allclose(
+        np.divide(summed, np.maximum(ended, 1)), [[10, 0, 15], [0, 3, 0]]
+    )
 
 
 def test_learning_runs_parse_and_select():
@@ -185,16 +245,28 @@ def test_learning_runs_parse_and_select():
     import record
 
     for name, folder, script, flags in learning.RUNS:
-        _, args = (record.parse_rejax(flags) if script == "rejax"
-                   else record.parse_ours(script, flags))
-        assert name.split()[1] == args.env_id and folder in ("learning", "side_by_side"), name
+        _, args = (
+            record.parse_rejax(flags)
+            if script == "rejax"
+            else record.parse_ours(script, flags)
+        )
+        assert name.split()[1] == args.env_id and folder in (
+            "learning",
+            "side_by_side",
+        ), name
     done = python(LEARNING, "--only", "Acrobot", "--list")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 2 and all("--env-id Acrobot-v1" in line for line in lines), lines
+    assert len(lines) == 2 and all("--env-id Acrobot-v1" in line for line in lines), (
+        lines
+    )
     done = python(LEARNING, "--only", "Nope", "--list")
-    assert done.returncode == 1 and "no run's folder/name contains Nope" in done.stderr, done.stderr
+    assert (
+        done.returncode == 1 and "no run's folder/name contains Nope" in done.stderr
+    ), done.stderr
     done = python(LEARNING, "--only", "side_by_side/", "--list")
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == [
-        f"side_by_side/{script} {env}" for env in ("CartPole-v1", "Breakout-MinAtar")
-        for script in ("ppo_nnx", "rejax")], done.stdout
+        f"side_by_side/{script} {env}"
+        for env in ("CartPole-v1", "Breakout-MinAtar")
+        for script in ("ppo_nnx", "rejax")
+    ], done.stdout

@@ -32,8 +32,15 @@ def saved(tmp_path_factory):
         with pytest.MonkeyPatch.context() as patch:
             patch.chdir(cwd)
             patch.setattr(script, "evaluate", recorded)
-            script.main(tiny_args(script, env_id="Pendulum-v1", num_seeds=2, save_model=True,
-                                  eval_episodes=3))
+            script.main(
+                tiny_args(
+                    script,
+                    env_id="Pendulum-v1",
+                    num_seeds=2,
+                    save_model=True,
+                    eval_episodes=3,
+                )
+            )
             (run_dir,) = (cwd / "runs").iterdir()
             script.main(script.Args(eval_checkpoint=str(run_dir), eval_episodes=3))
         runs[name] = run_dir, returns
@@ -41,7 +48,9 @@ def saved(tmp_path_factory):
 
 
 def snapshot(folder: Path) -> dict:
-    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+    return {
+        path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()
+    }
 
 
 @pytest.fixture(params=list(SCRIPTS))
@@ -61,12 +70,22 @@ def test_wrong_statistics_change_the_evaluation(saved, name):
     """Control: the loaded weights evaluate otherwise with statistics that never saw an
     observation, as weights saved without their statistics would."""
     script, (run_dir, (in_memory, _)) = SCRIPTS[name], saved[name]
-    args, params, norm = script.load_run(script.Args(eval_checkpoint=str(run_dir),
-                                                     eval_episodes=3))
+    args, params, norm = script.load_run(
+        script.Args(eval_checkpoint=str(run_dir), eval_episodes=3)
+    )
     assert (args.env_id, args.num_seeds, args.norm_obs, args.save_model) == (
-        "Pendulum-v1", 2, True, False)
-    fresh = norm._replace(obs=dict(norm.obs, mean=jnp.zeros_like(norm.obs["mean"]),
-                                   var=jnp.ones_like(norm.obs["var"])))
+        "Pendulum-v1",
+        2,
+        True,
+        False,
+    )
+    fresh = norm._replace(
+        obs=dict(
+            norm.obs,
+            mean=jnp.zeros_like(norm.obs["mean"]),
+            var=jnp.ones_like(norm.obs["var"]),
+        )
+    )
     assert not np.allclose(script.evaluate(args, params, fresh), in_memory)
 
 
@@ -76,9 +95,14 @@ def test_evaluation_flags_are_this_commands(saved, name, tmp_path):
     script, run_dir = SCRIPTS[name], saved[name][0]
     copy = shutil.copytree(run_dir, tmp_path / "run")
     (copy / ".DS_Store").write_bytes(b"")
-    args = script.load_run(script.Args(eval_checkpoint=str(copy), eval_deterministic=True))[0]
+    args = script.load_run(
+        script.Args(eval_checkpoint=str(copy), eval_deterministic=True)
+    )[0]
     assert (args.eval_episodes, args.eval_deterministic, args.track) == (0, True, False)
-    assert script.load_run(script.Args(eval_checkpoint=str(copy)))[0].eval_deterministic is False
+    assert (
+        script.load_run(script.Args(eval_checkpoint=str(copy)))[0].eval_deterministic
+        is False
+    )
 
 
 def refused(script, capsys, **flags) -> str:
@@ -104,9 +128,14 @@ def test_bad_checkpoints_are_refused_in_one_line(saved, name, tmp_path, capsys):
     assert missing.startswith(f"error: --eval-checkpoint {tmp_path / 'missing'}")
     for path in corrupt.values():
         assert refused(script, capsys, eval_checkpoint=str(path)).startswith(
-            f"error: --eval-checkpoint {path} is not a run saved by {name}.py")
-    assert f"{other}.py saved it" in refused(script, capsys, eval_checkpoint=str(saved[other][0]))
-    assert "--hidden-size" in refused(script, capsys, eval_checkpoint=str(run_dir), hidden_size=8)
+            f"error: --eval-checkpoint {path} is not a run saved by {name}.py"
+        )
+    assert f"{other}.py saved it" in refused(
+        script, capsys, eval_checkpoint=str(saved[other][0])
+    )
+    assert "--hidden-size" in refused(
+        script, capsys, eval_checkpoint=str(run_dir), hidden_size=8
+    )
     assert "--seed" in refused(script, capsys, eval_checkpoint=str(run_dir), seed=5)
     assert {d: snapshot(d) for d in before} == before  # nothing written
     # control: the unbroken run loads
@@ -120,24 +149,36 @@ def test_a_taken_run_name_moves_to_the_next_second(script, tmp_path, monkeypatch
     monkeypatch.setattr(script, "compile_run", lambda args: sys.exit("compiling"))
     args = tiny_args(script, save_model=True)
     name = f"CartPole-v1__{args.exp_name}__1"
-    with pytest.raises(SystemExit, match="compiling"):  # control: a free name is taken as is
+    with pytest.raises(
+        SystemExit, match="compiling"
+    ):  # control: a free name is taken as is
         script.main(args)
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"{name}__1234"]
     (tmp_path / "runs" / f"{name}__1234" / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit, match="compiling"):
         script.main(args)
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [f"{name}__1234",
-                                                                     f"{name}__1235"]
-    assert snapshot(tmp_path / "runs") == {tmp_path / "runs" / f"{name}__1234" / "notes.txt": b"mine"}
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        f"{name}__1234",
+        f"{name}__1235",
+    ]
+    assert snapshot(tmp_path / "runs") == {
+        tmp_path / "runs" / f"{name}__1234" / "notes.txt": b"mine"
+    }
 
 
 def test_cli_saves_then_evaluates_the_same_return(tmp_path):
     """The issue's own check, as a user types it (tiny and sampled): the same eval line twice."""
-    first = run_cli(ppo_nnx, *TINY_FLAGS, "--save-model", "--eval-episodes", "10", cwd=tmp_path)
+    first = run_cli(
+        ppo_nnx, *TINY_FLAGS, "--save-model", "--eval-episodes", "10", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     again = run_cli(ppo_nnx, "--eval-checkpoint", str(run_dir), cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    line = lambda out: [l for l in out.splitlines() if l.startswith("eval:")]
-    assert len(line(first.stdout)) == 1 and line(again.stdout) == line(first.stdout)
-    assert "10 episodes, deterministic=False" in line(first.stdout)[0]
+
+    def eval_lines(out):
+        return [line for line in out.splitlines() if line.startswith("eval:")]
+
+    assert len(eval_lines(first.stdout)) == 1
+    assert eval_lines(again.stdout) == eval_lines(first.stdout)
+    assert "10 episodes, deterministic=False" in eval_lines(first.stdout)[0]

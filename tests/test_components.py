@@ -37,16 +37,28 @@ def episodes():
     terminated = rng.random((T, B)) < 0.1
     truncated = (rng.random((T, B)) < 0.1) & ~terminated
     truncated[5, 0] = terminated[9, 0] = True  # both kinds certainly present
-    data = dict(rewards=rng.normal(size=(T, B)), values=rng.normal(size=(T, B)),
-                next_values=rng.normal(size=(T, B)), terminated=terminated, truncated=truncated)
-    return {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in data.items()}
+    data = dict(
+        rewards=rng.normal(size=(T, B)),
+        values=rng.normal(size=(T, B)),
+        next_values=rng.normal(size=(T, B)),
+        terminated=terminated,
+        truncated=truncated,
+    )
+    return {
+        k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in data.items()
+    }
 
 
 def run_gae(script, d, terminated):
-    steps = SimpleNamespace(reward=jnp.asarray(d["rewards"]), output={"value": d["values"]},
-                            terminated=jnp.asarray(terminated), truncated=d["truncated"])
-    return script.compute_gae(steps, jnp.asarray(d["next_values"]),
-                              script.Args(gamma=0.99, gae_lambda=0.95))
+    steps = SimpleNamespace(
+        reward=jnp.asarray(d["rewards"]),
+        output={"value": d["values"]},
+        terminated=jnp.asarray(terminated),
+        truncated=d["truncated"],
+    )
+    return script.compute_gae(
+        steps, jnp.asarray(d["next_values"]), script.Args(gamma=0.99, gae_lambda=0.95)
+    )
 
 
 def test_gae_matches_python_loop(script, episodes):
@@ -58,7 +70,9 @@ def test_gae_matches_python_loop(script, episodes):
 
 def test_negative_control_truncation_as_termination_differs(script, episodes):
     """The classic flaw (a time limit treated as terminal) must not pass the same check."""
-    advantages, _ = run_gae(script, episodes, episodes["terminated"] | episodes["truncated"])
+    advantages, _ = run_gae(
+        script, episodes, episodes["terminated"] | episodes["truncated"]
+    )
     expected_adv, _ = gae_loop(**episodes, gamma=0.99, lam=0.95)
     assert not np.allclose(advantages, expected_adv, rtol=1e-5, atol=1e-5)
 
@@ -69,12 +83,20 @@ def test_categorical_sampler_closed_form(script):
     actions = jnp.array([2, 1])
     out = sampler(sampler.initialize_state(2), logits, rollout_extras=actions)
     p = np.exp(np.asarray(logits)) / np.exp(np.asarray(logits)).sum(-1, keepdims=True)
-    np.testing.assert_allclose(out.output["log_prob"], np.log(p[[0, 1], [2, 1]]), rtol=1e-6)
-    np.testing.assert_allclose(out.output["entropy"], -(p * np.log(p)).sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(
+        out.output["log_prob"], np.log(p[[0, 1], [2, 1]]), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        out.output["entropy"], -(p * np.log(p)).sum(-1), rtol=1e-6
+    )
     np.testing.assert_array_equal(out.rollout_extras, actions)
     # negative control: another action's log-probability does not pass the same check
-    other = sampler(sampler.initialize_state(2), logits, rollout_extras=jnp.array([0, 0]))
-    assert not np.allclose(other.output["log_prob"], np.log(p[[0, 1], [2, 1]]), rtol=1e-6)
+    other = sampler(
+        sampler.initialize_state(2), logits, rollout_extras=jnp.array([0, 0])
+    )
+    assert not np.allclose(
+        other.output["log_prob"], np.log(p[[0, 1], [2, 1]]), rtol=1e-6
+    )
 
 
 def test_categorical_sampler_frequencies(script):
@@ -82,7 +104,9 @@ def test_categorical_sampler_frequencies(script):
     logits = jnp.tile(jnp.array([[0.0, 1.0, 2.0]]), (20_000, 1))
     out = sampler(sampler.initialize_state(20_000), logits)
     frequencies = np.bincount(np.asarray(out.output["action"]), minlength=3) / 20_000
-    np.testing.assert_allclose(frequencies, np.exp([0, 1, 2]) / np.exp([0, 1, 2]).sum(), atol=0.015)
+    np.testing.assert_allclose(
+        frequencies, np.exp([0, 1, 2]) / np.exp([0, 1, 2]).sum(), atol=0.015
+    )
 
 
 def test_gaussian_sampler_closed_form(script):
@@ -95,13 +119,18 @@ def test_gaussian_sampler_closed_form(script):
     z = (np.asarray(raw) - np.asarray(mean)) / std
     expected = (-0.5 * z**2 - np.log(std) - 0.5 * math.log(2 * math.pi)).sum(-1)
     np.testing.assert_allclose(out.output["log_prob"], expected, rtol=1e-6)
-    np.testing.assert_allclose(out.output["entropy"],
-                               [np.sum(0.5 * np.log(2 * math.pi * math.e * std**2))] * 2, rtol=1e-6)
+    np.testing.assert_allclose(
+        out.output["entropy"],
+        [np.sum(0.5 * np.log(2 * math.pi * math.e * std**2))] * 2,
+        rtol=1e-6,
+    )
     # the env gets the clipped action, replay scores the raw one
     np.testing.assert_allclose(out.output["action"], [[0.5, 0.0], [1.0, -2.0]])
     np.testing.assert_allclose(out.rollout_extras, raw)
     # negative control: scoring the clipped action gives another density
-    clipped = sampler(sampler.initialize_state(2), mean, rollout_extras=out.output["action"])
+    clipped = sampler(
+        sampler.initialize_state(2), mean, rollout_extras=out.output["action"]
+    )
     assert not np.allclose(clipped.output["log_prob"], expected, rtol=1e-6)
 
 
@@ -116,20 +145,29 @@ def test_activation_between_hidden_layers(script, activation, other):
 
     def forward(f):
         h = x
-        for i, layer in enumerate(layer for layer in net.layers if isinstance(layer, nnx.Linear)):
+        for i, layer in enumerate(
+            layer for layer in net.layers if isinstance(layer, nnx.Linear)
+        ):
             h = h @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...])
             h = f(h) if i < 2 else h  # none after the output layer
         return h
 
-    np.testing.assert_allclose(net(jnp.asarray(x)), forward(NUMPY_ACTIVATIONS[activation]),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        net(jnp.asarray(x)),
+        forward(NUMPY_ACTIVATIONS[activation]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     # negative control: the other nonlinearity gives other outputs
-    assert not np.allclose(net(jnp.asarray(x)), forward(NUMPY_ACTIVATIONS[other]), atol=1e-3)
+    assert not np.allclose(
+        net(jnp.asarray(x)), forward(NUMPY_ACTIVATIONS[other]), atol=1e-3
+    )
 
 
-@pytest.mark.parametrize("activation, bias, varies", [
-    ("relu", 100.0, True), ("relu", -100.0, False),
-    ("tanh", 100.0, False)])  # negative control: tanh saturates where relu passes
+@pytest.mark.parametrize(
+    "activation, bias, varies",
+    [("relu", 100.0, True), ("relu", -100.0, False), ("tanh", 100.0, False)],
+)  # negative control: tanh saturates where relu passes
 def test_activation_after_the_first_block(script, activation, bias, varies):
     """The actor's first block (ppo_nnx.py's torso, the recurrent script's encoder) ends in
     --activation too: relu passes outputs pushed far positive (the policy still depends on the
@@ -141,7 +179,9 @@ def test_activation_after_the_first_block(script, activation, bias, varies):
     last.bias[...] = jnp.full_like(last.bias[...], bias)
     obs = jnp.asarray(np.random.default_rng(0).normal(size=(6, 4)), jnp.float32)
     entropy = np.asarray(model(model.initialize_state(6), obs).output["entropy"])
-    assert (len(np.unique(entropy)) > 1) == varies, entropy  # saturated or cut: identical bits
+    assert (len(np.unique(entropy)) > 1) == varies, (
+        entropy
+    )  # saturated or cut: identical bits
 
 
 def test_gaussian_sampler_moments(script):
@@ -168,24 +208,39 @@ def test_bottleneck_key_carry_advances_per_env(script):
     np.testing.assert_allclose(alone.output[0], first.output[2], atol=1e-6)
 
 
-@pytest.mark.parametrize("env_id, keep", [("CartPole-v1", [0, 2]), ("Pendulum-v1", [0, 1])])
+@pytest.mark.parametrize(
+    "env_id, keep", [("CartPole-v1", [0, 2]), ("Pendulum-v1", [0, 1])]
+)
 def test_mask_velocity_keeps_positions_only(script, env_id, keep):
     """What the network sees with --mask-velocity: positions only, final observations too."""
     args = tiny_args(script, env_id=env_id, mask_velocity=True, num_steps=60)
     env, env_params = script.make_env(args)
-    obs = jax.random.normal(jax.random.key(0), (3,) + env.observation_space(env_params).shape)
+    obs = jax.random.normal(
+        jax.random.key(0), (3,) + env.observation_space(env_params).shape
+    )
     np.testing.assert_array_equal(script.observe(obs, args), obs[:, np.array(keep)])
     masked = np.asarray(script.observe(obs, args))
     velocities = [i for i in range(obs.shape[1]) if i not in keep]
-    assert not any(np.allclose(masked[:, j], obs[:, v]) for j in range(2) for v in velocities)
+    assert not any(
+        np.allclose(masked[:, j], obs[:, v]) for j in range(2) for v in velocities
+    )
     unmasked = script.observe(obs, dataclasses.replace(args, mask_velocity=False))
-    np.testing.assert_array_equal(unmasked, obs)  # control: without the flag, everything
-    t = second_rollout(script, args, env, env_params.replace(max_steps_in_episode=20),
-                       jax.random.key(1))[3]
+    np.testing.assert_array_equal(
+        unmasked, obs
+    )  # control: without the flag, everything
+    t = second_rollout(
+        script,
+        args,
+        env,
+        env_params.replace(max_steps_in_episode=20),
+        jax.random.key(1),
+    )[3]
     assert t.obs.shape[-1] == t.final_obs.shape[-1] == 2
     done = np.asarray(t.terminated | t.truncated)[:-1]
     assert done.any()
-    np.testing.assert_array_equal(np.asarray(t.final_obs)[:-1][~done], np.asarray(t.obs)[1:][~done])
+    np.testing.assert_array_equal(
+        np.asarray(t.final_obs)[:-1][~done], np.asarray(t.obs)[1:][~done]
+    )
 
 
 def test_mask_velocity_is_refused_elsewhere(script):
