@@ -234,7 +234,7 @@ def split_per_env(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def normal_per_env(keys: jax.Array, like: jax.Array) -> jax.Array:
     """Row b from keys[b] alone."""
-    noise = jax.vmap(lambda key: jax.random.normal(key, like.shape[1:]))(keys)
+    noise = jax.vmap(functools.partial(jax.random.normal, shape=like.shape[1:]))(keys)
     # drawn once: XLA copied it into each consumer
     return jax.lax.optimization_barrier(noise)
 
@@ -874,7 +874,8 @@ def env_placement(args: Args, mesh, state: TrainState) -> TrainState:
     def placed(x):
         return per_env if x.ndim > 1 and x.shape[1] == args.num_envs else seeds
 
-    whole = jax.tree.map(lambda _: seeds, state)
+    # a prefix of the state's tree: one sharding for each whole field
+    whole = TrainState(**dict.fromkeys(TrainState._fields, seeds))
     return whole._replace(runner=jax.tree.map(placed, state.runner))
 
 
@@ -1295,14 +1296,12 @@ def first_nonfinite(args: Args, metrics: dict, params=None) -> Optional[str]:
         axis=0,
     )
     if bad.any():
-        seed, i, k = min(zip(*np.nonzero(bad)), key=lambda sik: sik[1:])  # the earliest
+        i, k, seed = np.argwhere(bad.transpose(1, 2, 0))[0]  # the earliest iteration
         what = f"{names[k]} is {float(metrics[names[k]][seed, i])}"
     elif bad_params.any():
-        seed, i, what = (
-            bad_params.argmax(),
-            args.num_iterations - 1,
-            "the weights are not finite",
-        )
+        seed = bad_params.argmax()
+        i = args.num_iterations - 1
+        what = "the weights are not finite"
     else:
         return None
     return (
