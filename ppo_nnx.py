@@ -368,14 +368,13 @@ class ActorCritic(StatefulModule):
         torso = mlp([obs_size, h, h], math.sqrt(2), activation, rngs)
         # the torso's features come activated, as the hidden layers' do
         self.actor_torso = nnx.Sequential(*torso.layers, activation)
+        features = args.latent_size or h
         self.bottleneck = None  # built only if asked: its init draws from rngs
         if args.latent_size:
             self.bottleneck = nnx.data(
                 VariationalBottleneck(h, args.latent_size, args.kl_coef, rngs)
             )
-        self.actor_head = mlp(
-            [args.latent_size or h, action_head], 0.01, activation, rngs
-        )
+        self.actor_head = mlp([features, action_head], 0.01, activation, rngs)
         self.sampler = sampler
         self.critic = mlp([obs_size, h, h, 1], 1.0, activation, rngs)
         stateful = ("bottleneck", "sampler")
@@ -384,18 +383,19 @@ class ActorCritic(StatefulModule):
     def value(self, obs: jax.Array) -> jax.Array:  # V(obs), [B]
         return self.critic(obs)[..., 0]
 
+    def child(self, name: str, carry, x, extras: dict):
+        """Child `name`'s step, on its own part of the carry and of the extras."""
+        return getattr(self, name)(carry[name], x, extras[name])
+
     def __call__(self, carry, obs, rollout_extras=None):
         extras = rollout_extras or dict.fromkeys(self.stateful)
         outs = {}
         hidden = self.actor_torso(obs)
         if self.bottleneck is not None:
-            outs["bottleneck"] = self.bottleneck(
-                carry["bottleneck"], hidden, extras["bottleneck"]
-            )
+            outs["bottleneck"] = self.child("bottleneck", carry, hidden, extras)
             hidden = outs["bottleneck"].output
-        outs["sampler"] = self.sampler(
-            carry["sampler"], self.actor_head(hidden), extras["sampler"]
-        )
+        logits_or_mean = self.actor_head(hidden)
+        outs["sampler"] = self.child("sampler", carry, logits_or_mean, extras)
         output = dict(outs["sampler"].output, value=self.value(obs))
         if self.bottleneck is not None:
             output["latent"] = hidden

@@ -286,9 +286,8 @@ class KeyCarryModule(StatefulModule):
         def steps(x):  # [T * B, ...] -> [T, B, ...]
             return x.reshape(done.shape + x.shape[1:])
 
-        sequences = jax.tree.map(
-            steps, out._replace(metrics={})
-        )  # the metrics are scalars already
+        # the metrics are scalars already
+        sequences = jax.tree.map(steps, out._replace(metrics={}))
         return sequences._replace(metrics=out.metrics)
 
 

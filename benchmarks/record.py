@@ -174,9 +174,9 @@ def evaluation(script, args, state) -> dict:
 
 
 class Gymnax1To5Tuple:
-    """gymnax 1.0's env with the old 5-value `step` that rejax 0.1.3 unpacks, and the training
-    return our scripts log: its state also holds the episode's return so far, and the returns
-    summed and the count of the episodes it ended.
+    """gymnax 1.0's env with the 5-value `step` of gymnax before 1.0, which rejax 0.1.3 unpacks,
+    and the training return our scripts log: its state also holds the episode's return so far,
+    and the returns summed and the count of the episodes it ended.
 
     The same environment code as ours: terminated | truncated becomes `done`, auto-reset stays.
     """

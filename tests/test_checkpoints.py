@@ -167,7 +167,7 @@ def test_a_taken_run_name_moves_to_the_next_second(script, tmp_path, monkeypatch
 
 
 def test_cli_saves_then_evaluates_the_same_return(tmp_path):
-    """The issue's own check, as a user types it (tiny and sampled): the same eval line twice."""
+    """A user's commands, tiny and sampled: train, save, --eval-checkpoint; the same eval line."""
     first = run_cli(
         ppo_nnx, *TINY_FLAGS, "--save-model", "--eval-episodes", "10", cwd=tmp_path
     )

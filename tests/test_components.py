@@ -171,7 +171,7 @@ def test_activation_between_hidden_layers(script, activation, other):
 def test_activation_after_the_first_block(script, activation, bias, varies):
     """The actor's first block (ppo_nnx.py's torso, the recurrent script's encoder) ends in
     --activation too: relu passes outputs pushed far positive (the policy still depends on the
-    observation) and cuts those pushed far negative to zero (it no longer does)."""
+    observation) and cuts those pushed far negative to zero (then it does not)."""
     args = script.check_args(script.Args(activation=activation, latent_size=0))
     model = script.build_model(args, *script.make_env(args), nnx.Rngs(0))
     first = model.actor_torso if hasattr(model, "actor_torso") else model.encoder
