@@ -25,7 +25,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from common import describe, machine, versions  # noqa: E402
 
-# The README's "Many seeds at once" snippet, with its sizes as parameters.
+# The README's "Train several seeds at once" snippet, with its sizes as parameters.
 SNIPPET = """
 import sys, jax, numpy as np
 sys.path.insert(0, {root!r})
