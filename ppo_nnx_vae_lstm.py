@@ -1063,7 +1063,7 @@ def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
     compile seconds, seconds of each of `repeats` runs). `program` is compile_run's.
     `on_chunk(state, metrics, done, seconds)` runs on the host after each chunk: False stops."""
     init, chunk, compile_s = program or compile_run(args)
-    # no wrap
+    # int64: global_step passes 2**31 in long runs
     steps = args.batch_size * np.arange(1, args.num_iterations + 1, dtype=np.int64)
     waiter = concurrent.futures.ThreadPoolExecutor(1)
     train_s = []
@@ -1117,7 +1117,7 @@ def evaluate(args: Args, params, norm: Norm) -> np.ndarray:
     def episodes(seed, params, norm):
         key = jax.random.fold_in(jax.random.key(seed), 1)
         model_key, env_key, key = jax.random.split(key, 3)
-        # its Params replaced
+        # its structure and rngs; the trained Params are merged in at each step
         model = build_model(args, env, env_params, nnx.Rngs(model_key))
         carry = model.initialize_state(n)
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
@@ -1196,7 +1196,7 @@ def load_run(cli: Args):
         like = nnx.state(model, nnx.Param)
         seeds = []
         for seed in args.seeds:
-            # norm: as dicts
+            # norm comes back as a dict of its fields
             items = restore(
                 f"{path}/seed_{seed}",
                 params=ocp.args.StandardRestore(like),
