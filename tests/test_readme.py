@@ -9,8 +9,8 @@ of a shell block (continuations joined, comments dropped) is one command of a kn
   `conftest.TINY_FLAGS` appended (tyro keeps a flag's last value) and `WANDB_MODE=offline`: it
   must exit 0 and print its summary. The commands of one script and environment run one after
   another in one process, which pays the imports once; compiled programs are shared through
-  JAX's disk cache. Not run, only parsed: commands that need several processes
-  (`JAX_COORDINATOR_ADDRESS`) or a saved run (`--resume`, `--eval-checkpoint`).
+  JAX's disk cache. Not run, only parsed: commands that need several devices or processes
+  (`XLA_FLAGS`, `JAX_COORDINATOR_ADDRESS`) or a saved run (`--resume`, `--eval-checkpoint`).
 - `python -m pytest`: must be CI's command (`.ci/run`), with `WANDB_MODE=offline`.
 - `pip install -r FILE ...`: FILE must exist; a jax pinned there must be requirements.txt's.
 - `python benchmarks/X.py`, `bash benchmarks/X.sh`: X must exist.
@@ -129,10 +129,11 @@ def parse(command: Command):
 
 
 def runnable(command: Command) -> bool:
-    """One process on one machine, with nothing saved before it."""
+    """One process on one device, with nothing saved before it (tests/test_devices.py runs the
+    scripts on many devices and processes)."""
     flags = {word.split("=")[0] for word in command.argv[2:]}
     return not (
-        "JAX_COORDINATOR_ADDRESS" in command.env
+        {"JAX_COORDINATOR_ADDRESS", "XLA_FLAGS"} & command.env.keys()
         or flags & {"--resume", "--eval-checkpoint"}
     )
 
