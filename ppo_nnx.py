@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import itertools
 import math
 import os
 import shutil
@@ -76,6 +77,7 @@ class Args:
     max_grad_norm: float = 0.5  # the maximum norm for the gradient clipping
     num_seeds: int = 1  # seeds trained at once by jax.vmap, in one compiled program, over devices
     shard_envs: bool = False  # one agent per seed, its envs split over all devices (data parallel)
+    sweep: tuple[str, ...] = ()  # a grid trained at once, e.g. gamma=0.9,0.99 ent-coef=0,0.01
     hidden_size: int = 64  # width of the hidden layers
     activation: Literal["tanh", "relu"] = "tanh"  # the hidden layers' nonlinearity (CleanRL: tanh)
     latent_size: int = 0  # size of the VariationalBottleneck in the actor (0 = no bottleneck)
@@ -104,12 +106,51 @@ class Args:
         return range(self.seed, self.seed + self.num_seeds)
 
     @property
+    def configs(self) -> list[dict]:  # the --sweep grid ([{}] without)
+        return sweep_grid(self.sweep)
+
+    @property
+    def members(self) -> list[tuple[dict, int]]:
+        """(configuration, seed) of each run trained at once, the seeds varying fastest."""
+        return [(config, seed) for config in self.configs for seed in self.seeds]
+
+    @property
     def chunk_size(self) -> int:  # the most iterations one compiled call runs
         return self.chunk_iterations or min(self.num_iterations, 1000)
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# what --sweep may vary: values that change no array shape and no branch of the program
+SWEEPABLE = (
+    "learning_rate gamma gae_lambda clip_coef ent_coef vf_coef max_grad_norm kl_coef"
+)
+
+
+def sweep_grid(sweep: tuple) -> list[dict]:
+    """Every combination of the values --sweep lists, as {field: value}."""
+    axes = {}
+    for item in sweep:
+        name, _, values = item.partition("=")
+        field = name.removeprefix("--").replace("-", "_")
+        if field not in SWEEPABLE.split():
+            why = "shapes the program" if hasattr(Args, field) else "no such flag"
+            allowed = SWEEPABLE.replace("_", "-")
+            raise ValueError(f"--sweep {name}: {why}; sweepable: {allowed}")
+        if field in axes:
+            raise ValueError(f"--sweep names {name} twice")
+        try:
+            axes[field] = [float(value) for value in values.split(",")]
+        except ValueError:
+            raise ValueError(f"--sweep {item}: give {name}=number,number,...") from None
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def config_name(config: dict) -> str:
+    """A --sweep configuration as it was given, e.g. learning-rate=0.001,ent-coef=0."""
+    return ",".join(f"{flag(field)[2:]}={value:g}" for field, value in config.items())
 
 
 def check_args(args: Args) -> Args:
@@ -125,9 +166,12 @@ def check_args(args: Args) -> Args:
         ("gamma gae_lambda", 0, 1, "in [0, 1]"),
     ]:
         for name in names.split():
-            value = getattr(args, name)
-            if not low <= value <= high:  # NaN fails too
-                raise ValueError(f"{flag(name)} must be {rule}, got {value}")
+            values = [config.get(name, getattr(args, name)) for config in args.configs]
+            wrong = [value for value in values if not low <= value <= high]  # NaN too
+            if wrong:
+                raise ValueError(f"{flag(name)} must be {rule}, got {wrong[0]}")
+    if "kl_coef" in args.configs[0] and not args.latent_size:
+        raise ValueError("--sweep kl-coef: there is no bottleneck (--latent-size 0)")
     if args.activation not in ACTIVATIONS:
         choices = ", ".join(ACTIVATIONS)
         raise ValueError(
@@ -279,7 +323,8 @@ class VariationalBottleneck(KeyCarryModule):
         super().__init__(rngs)
         self.mean = nnx.Linear(in_size, latent_size, rngs=rngs)
         self.pre_std = nnx.Linear(in_size, latent_size, rngs=rngs)
-        self.kl_coef = kl_coef
+        # data, not a constant of the graph: --sweep traces it
+        self.kl_coef = nnx.data(jnp.asarray(kl_coef))
 
     def __call__(self, key, x, rollout_extras=None):
         next_key, noise_key = split_per_env(key)
@@ -744,11 +789,12 @@ class TrainState(NamedTuple):
 
 
 def make_chunk(args: Args):
-    """Pure functions of one seed: `init(key) -> TrainState`, and `chunk(state, n, size)`, which
-    runs n <= size iterations on from `state`: (state, metrics [size], NaN past row n)."""
+    """Pure functions of one seed: `init(key) -> TrainState`, and `chunk(state, n, size, config)`,
+    which runs n <= size iterations on from `state` with the --sweep values `config` (traced, or
+    None): (state, metrics [size], NaN past row n)."""
     args = check_args(args)
     env, env_params = make_env(args)
-    optimizer, learning_rate = make_optimizer(args)
+    optimizer, _ = make_optimizer(args)
 
     def init(key) -> TrainState:
         # Philox: the default Threefry is a rolled loop on CPU, costly in per-step draws
@@ -776,7 +822,8 @@ def make_chunk(args: Args):
             update_key=update_key,
         )
 
-    def iteration(graphdef, rest, update_keys, state: TrainState):
+    def iteration(args, graphdef, rest, update_keys, state: TrainState):
+        optimizer, learning_rate = make_optimizer(args)
         params, opt_state = state.params, state.opt_state
         runner, t = rollout(graphdef, params, rest, env, env_params, state.runner, args)
         next_values = bootstrap_values(merge(graphdef, params, rest), t)
@@ -806,13 +853,14 @@ def make_chunk(args: Args):
         )
         return state, metrics
 
-    def chunk(state: TrainState, n, size: int):
+    def chunk(state: TrainState, n, size: int, config: Optional[dict] = None):
+        configured = dataclasses.replace(args, **(config or {}))
         # the network's structure and its nnx.Rngs (read only by init); the Params are the state's
-        model = build_model(args, env, env_params, nnx.Rngs(0))
+        model = build_model(configured, env, env_params, nnx.Rngs(0))
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
         # every iteration's key, split once for the whole run: chunks draw what one call draws
         update_keys = jax.random.split(state.update_key, args.num_iterations)
-        step = functools.partial(iteration, graphdef, rest, update_keys)
+        step = functools.partial(iteration, configured, graphdef, rest, update_keys)
         metrics_shape = jax.eval_shape(step, state)[1]
         rows = jax.tree.map(
             lambda x: jnp.full((size,) + x.shape, jnp.nan, x.dtype), metrics_shape
@@ -829,12 +877,13 @@ def make_chunk(args: Args):
 
 
 def make_train(args: Args):
-    """`train(key) -> (TrainState, metrics [num_iterations])`: the whole run as one pure function,
-    for `jax.vmap` over keys; `main` runs the same iterations in chunks."""
+    """`train(key, config=None) -> (TrainState, metrics [num_iterations])`: the whole run as one
+    pure function, for `jax.vmap` over keys and over `config`, a dict of values of SWEEPABLE
+    fields; `main` runs the same iterations in chunks."""
     init, chunk = make_chunk(args)
 
-    def train(key):
-        return chunk(init(key), args.num_iterations, args.num_iterations)
+    def train(key, config=None):
+        return chunk(init(key), args.num_iterations, args.num_iterations, config)
 
     return train
 
@@ -844,6 +893,9 @@ def devices(args: Args) -> list:
     """The devices (of all hosts) sharing the seeds or, with --shard-envs, the envs equally."""
     if args.shard_envs:
         n, name = args.num_envs, "--num-envs"
+    elif args.sweep:
+        configs = f"{len(args.configs)} --sweep configurations"
+        n, name = len(args.members), f"--num-seeds {args.num_seeds} x {configs} ="
     else:
         n, name = args.num_seeds, "--num-seeds"
     if n == 1 and not args.shard_envs and jax.process_count() == 1:
@@ -865,6 +917,13 @@ def over_seeds(f, per_seed):
     return jax.tree.map(functools.partial(jnp.expand_dims, axis=0), f(one))
 
 
+def sweep_values(args: Args, index: jax.Array) -> dict:
+    """The --sweep values of run `index` of args.members, traced: a row of the grid."""
+    configs = args.configs
+    columns = {field: jnp.array([c[field] for c in configs]) for field in configs[0]}
+    return {field: column[index // args.num_seeds] for field, column in columns.items()}
+
+
 def env_placement(args: Args, mesh, state: TrainState) -> TrainState:
     """Shardings for --shard-envs: the runner's [seed, env, ...] arrays split envs over the
     devices, everything else is whole on each."""
@@ -880,12 +939,12 @@ def env_placement(args: Args, mesh, state: TrainState) -> TrainState:
 
 
 def compile_run(args: Args):
-    """The programs that train seeds args.seed .. args.seed + num_seeds - 1 (seed i of N trains as
-    `--seed i` alone) on the devices: (init() -> state, chunk(state, n) -> (state, metrics
-    [seed, chunk_size], NaN past n), compile seconds). A run that cannot fit in the devices'
-    memory is refused here, before it trains.
+    """The programs that train args.members, each --sweep configuration with seeds args.seed ..
+    args.seed + num_seeds - 1 (seed i of N trains as `--seed i` alone) on the devices: (init() ->
+    state, chunk(state, n) -> (state, metrics [run, chunk_size], NaN past n), compile seconds).
+    A run that cannot fit in the devices' memory is refused here, before it trains.
 
-    Seeds are independent: each device runs the one-device program on its share (shard_map).
+    Runs are independent: each device runs the one-device program on its share (shard_map).
     With --shard-envs, one seed's per-env arrays split their axis 1 over the devices, and jax.jit
     partitions the one-device program to match, adding the sums over devices it needs."""
     init, chunk = make_chunk(args)
@@ -894,27 +953,31 @@ def compile_run(args: Args):
     shape = (1, -1) if args.shard_envs else (-1, 1)
     mesh = jax.sharding.Mesh(np.reshape(devices(args), shape), ("seeds", "envs"))
 
-    def init_seeds(seed_index):
+    def init_seeds(member):
         def init_seed(index):
-            return init(jax.random.key(args.seed + index))
+            return init(jax.random.key(args.seed + index % args.num_seeds))
 
-        return over_seeds(init_seed, seed_index)
+        return over_seeds(init_seed, member)
 
-    def chunk_seeds(state, n):
-        return over_seeds(functools.partial(chunk, n=n, size=args.chunk_size), state)
+    def chunk_seeds(member, state, n):
+        def chunk_seed(index_and_state):
+            index, state = index_and_state
+            return chunk(state, n, args.chunk_size, sweep_values(args, index))
+
+        return over_seeds(chunk_seed, (member, state))
 
     seeds = NamedSharding(mesh, P("seeds"))
     replicated = NamedSharding(mesh, P())  # the metrics, for every host to read
 
-    def seed_numbers(index):  # on every host, the seeds of its own devices
-        return np.arange(args.num_seeds)[index]
+    def member_numbers(index):  # on every host, the runs of its own devices
+        return np.arange(len(args.members))[index]
 
-    seed_index = jax.make_array_from_callback((args.num_seeds,), seeds, seed_numbers)
+    member = jax.make_array_from_callback((len(args.members),), seeds, member_numbers)
     start = time.time()
     if mesh.size == 1:  # the plain program: no placement to arrange
         init_seeds, chunk_seeds = jax.jit(init_seeds), jax.jit(chunk_seeds)
     elif args.shard_envs:
-        placement = env_placement(args, mesh, jax.eval_shape(init_seeds, seed_index))
+        placement = env_placement(args, mesh, jax.eval_shape(init_seeds, member))
         init_seeds = jax.jit(init_seeds, out_shardings=placement)
         chunk_seeds = jax.jit(chunk_seeds, out_shardings=(placement, replicated))
     else:
@@ -922,14 +985,20 @@ def compile_run(args: Args):
         over_devices = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
         init_seeds = over_devices(init_seeds, in_specs=P("seeds"), out_specs=P("seeds"))
         chunk_seeds = over_devices(
-            chunk_seeds, in_specs=(P("seeds"), P()), out_specs=P("seeds")
+            chunk_seeds, in_specs=(P("seeds"), P("seeds"), P()), out_specs=P("seeds")
         )
         init_seeds = jax.jit(init_seeds, out_shardings=seeds)
         chunk_seeds = jax.jit(chunk_seeds, out_shardings=(seeds, replicated))
-    init_seeds = init_seeds.lower(seed_index).compile()
-    chunk_seeds = chunk_seeds.lower(init_seeds.out_info, args.chunk_size).compile()
+    init_seeds = init_seeds.lower(member).compile()
+    chunk_seeds = chunk_seeds.lower(
+        member, init_seeds.out_info, args.chunk_size
+    ).compile()
     check_memory(args, chunk_seeds)
-    return functools.partial(init_seeds, seed_index), chunk_seeds, time.time() - start
+    program = (
+        functools.partial(init_seeds, member),
+        functools.partial(chunk_seeds, member),
+    )
+    return *program, time.time() - start
 
 
 def check_memory(args: Args, compiled) -> None:
@@ -973,7 +1042,7 @@ def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
         begin = time.time()
         state, metrics, done = start or (init(), {}, 0)
         metrics = {
-            "global_step": np.broadcast_to(steps, (args.num_seeds, len(steps))),
+            "global_step": np.broadcast_to(steps, (len(args.members), len(steps))),
             **metrics,
         }
         n = args.chunk_iterations or 1
@@ -1009,7 +1078,7 @@ def run(args: Args, program=None, start=None, on_chunk=None, repeats: int = 1):
 
 # ================================ Evaluation and checkpoints ===============================
 def evaluate(args: Args, params, norm: Norm) -> np.ndarray:
-    """[seed, episode] returns of each seed's policy: an episode per env, the statistics frozen."""
+    """[run, episode] returns of each run's policy: an episode per env, the statistics frozen."""
     env, env_params = make_env(args)
     n = args.eval_episodes or 10  # 10: for --eval-checkpoint
     env_reset = jax.vmap(env.reset, in_axes=(0, None))
@@ -1043,7 +1112,8 @@ def evaluate(args: Args, params, norm: Norm) -> np.ndarray:
         state = (env_state, obs, carry, key, jnp.zeros(n), jnp.zeros(n, bool))
         return jax.lax.while_loop(running, step, state)[-2]
 
-    returns = jax.jit(jax.vmap(episodes))(jnp.array(args.seeds), params, norm)
+    seeds = jnp.array([seed for _, seed in args.members])
+    returns = jax.jit(jax.vmap(episodes))(seeds, params, norm)
     return np.asarray(returns)
 
 
@@ -1078,8 +1148,11 @@ def load_run(cli: Args):
     )
     refuse_changes(cli, "eval_checkpoint", own)
     if os.path.isdir(path) and not glob.glob(os.path.join(glob.escape(path), "seed_*")):
+        sweep = sorted(glob.glob(os.path.join(glob.escape(path), "*", "seed_*")))
         if os.path.basename(os.path.normpath(path)).startswith("seed_"):
             hint = f"it is one seed's; give its run folder, {os.path.dirname(path)}"
+        elif sweep:
+            hint = f"it is a --sweep's; give a configuration's, {os.path.dirname(sweep[0])}"
         elif os.path.isdir(os.path.join(path, "state")):
             hint = f"it is a stopped run; --resume {path} finishes it"
         else:
@@ -1223,17 +1296,20 @@ def restore_state(
 
 
 def save_model(folder: str, args: Args, params, norm: Norm) -> None:
-    """An Orbax checkpoint per seed, seed_{seed}: its params and statistics, and the Args."""
-    flags = dict(script=os.path.basename(__file__), args=dataclasses.asdict(args))
-    for i, seed in enumerate(args.seeds):
+    """An Orbax checkpoint per seed, seed_{seed}: its params and statistics, and the Args that
+    train it alone. A --sweep's configurations each get a folder, named by config_name."""
+    for i, (config, seed) in enumerate(args.members):
+        alone = dataclasses.replace(args, **config, sweep=())
+        flags = dict(script=os.path.basename(__file__), args=dataclasses.asdict(alone))
         params_i, norm_i = jax.tree.map(lambda x: x[i], (params, norm))
         items = ocp.args.Composite(
             params=ocp.args.StandardSave(params_i),
             norm=ocp.args.StandardSave(norm_i),
             args=ocp.args.JsonSave(flags),
         )
+        path = os.path.join(folder, config_name(config), f"seed_{seed}")
         ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(
-            os.path.abspath(f"{folder}/seed_{seed}"), args=items
+            os.path.abspath(path), args=items
         )
 
 
@@ -1273,7 +1349,7 @@ def quiet():  # Orbax's threads print a failed write's tracebacks: keep them off
 
 # ========================================== Logging ========================================
 def final_return(metrics: dict) -> np.ndarray:
-    """Mean episodic return over the last 5% of iterations, per seed (NaN if none ended)."""
+    """Mean episodic return over the last 5% of iterations, per run (NaN if none ended)."""
     returns = np.asarray(metrics["charts/episodic_return"])
     last = returns[..., -max(1, returns.shape[-1] // 20) :]
     ended = (~np.isnan(last)).sum(-1)
@@ -1288,31 +1364,60 @@ def first_nonfinite(args: Args, metrics: dict, params=None) -> Optional[str]:
         for k in metrics
         if k.startswith("losses/") and k != "losses/explained_variance"
     ]
-    # [seed, i, name]
+    # [run, i, name]
     bad = np.stack([~np.isfinite(np.asarray(metrics[k])) for k in names], -1)
-    # [seed]
+    # [run]
     bad_params = np.any(
         [~np.isfinite(x.reshape(len(x), -1)).all(-1) for x in jax.tree.leaves(params)],
         axis=0,
     )
     if bad.any():
-        i, k, seed = np.argwhere(bad.transpose(1, 2, 0))[0]  # the earliest iteration
-        what = f"{names[k]} is {float(metrics[names[k]][seed, i])}"
+        i, k, member = np.argwhere(bad.transpose(1, 2, 0))[0]  # the earliest iteration
+        what = f"{names[k]} is {float(metrics[names[k]][member, i])}"
     elif bad_params.any():
-        seed = bad_params.argmax()
+        member = bad_params.argmax()
         i = args.num_iterations - 1
         what = "the weights are not finite"
     else:
         return None
+    config, seed = args.members[member]
+    run = f"seed {seed}" + (f" ({config_name(config)})" if config else "")
     return (
-        f"seed {args.seed + seed}: {what} at iteration {i + 1} of {args.num_iterations} "
+        f"{run}: {what} at iteration {i + 1} of {args.num_iterations} "
         f"(global_step {(i + 1) * args.batch_size}); the run diverged"
     )
 
 
+def sweep_table(args: Args, finals: np.ndarray, returns=None) -> str:
+    """A row per --sweep configuration, best first: the mean and std over its seeds of each run's
+    final return and, given the evaluation's [run, episode] `returns`, of its mean (which ranks)."""
+    columns = {"final_episodic_return": finals}
+    if returns is not None:
+        columns["eval/episodic_return"] = returns.mean(1)
+    # [configuration, seed]
+    columns = {k: v.reshape(len(args.configs), -1) for k, v in columns.items()}
+    ranking = list(columns)[-1]
+    means = columns[ranking].mean(1)
+    order = np.argsort(-np.nan_to_num(means, nan=-np.inf), kind="stable")  # NaN last
+    fields = list(args.configs[0])
+    header = [flag(field)[2:] for field in fields] + list(columns)
+    lines = [
+        f"sweep: {len(args.configs)} configurations x {args.num_seeds} seeds, "
+        f"ranked by {ranking} (mean ± std over seeds)",
+        "| " + " | ".join(header) + " |",
+        "|" + " --- |" * len(header),
+    ]
+    for c in order:
+        values = [f"{args.configs[c][field]:g}" for field in fields]
+        stats = [f"{v[c].mean():.1f} ± {v[c].std():.1f}" for v in columns.values()]
+        lines.append("| " + " | ".join(values + stats) + " |")
+    return "\n".join(lines)
+
+
 def init_wandb(args: Args, stamp: int, ids=None) -> list:
-    """A W&B run per seed, named the CleanRL way (or, resuming, the runs `ids`); offline without
-    credentials or a server."""
+    """A W&B run per seed and --sweep configuration, named the CleanRL way with the configuration
+    in the experiment's name (or, resuming, the runs `ids`); offline without credentials or a
+    server."""
     import wandb
 
     def offline(why: str) -> str:
@@ -1327,13 +1432,14 @@ def init_wandb(args: Args, stamp: int, ids=None) -> list:
     if os.environ.get("WANDB_MODE") not in ("offline", "disabled") and no_key:
         mode = offline("found no W&B credentials (`wandb login` or WANDB_API_KEY)")
     runs = []
-    for i, seed in enumerate(args.seeds):
+    for i, (config, seed) in enumerate(args.members):
+        exp_name = "__".join(filter(None, [args.exp_name, config_name(config)]))
         settings = dict(
             project=args.wandb_project_name,
             entity=args.wandb_entity,
-            name=f"{args.env_id}__{args.exp_name}__{seed}__{stamp}",
-            group=f"{args.env_id}__{args.exp_name}__{stamp}",
-            config={**dataclasses.asdict(args), "seed": seed},
+            name=f"{args.env_id}__{exp_name}__{seed}__{stamp}",
+            group=f"{args.env_id}__{exp_name}__{stamp}",  # the configuration's seeds
+            config={**dataclasses.asdict(args), **config, "seed": seed},
             id=ids[i] if ids else None,
             resume="allow" if ids else None,
             save_code=True,
@@ -1356,8 +1462,10 @@ def progress(args: Args, metrics: dict, done: int, first: int, seconds: float) -
     # an episode ended there
     last = np.where(np.isnan(returns), -1, np.arange(done)).max(-1)
     latest = np.where(last >= 0, returns[np.arange(len(returns)), last], np.nan)
+    if args.sweep:  # one figure per configuration: its seeds' mean
+        latest = latest.reshape(len(args.configs), args.num_seeds).mean(1)
     left = seconds * (args.num_iterations - done) / (done - first)
-    sps = (done - first) * args.batch_size * args.num_seeds / seconds
+    sps = (done - first) * args.batch_size * len(args.members) / seconds
     return (
         f"global_step={step:>9d} ({step / total:4.0%}, {left:.0f} s left)  "
         f"episodic_return={' '.join(f'{r:.1f}' for r in latest)}  SPS={sps:,.0f}"
@@ -1396,7 +1504,11 @@ def train(args: Args, program, run_dir: str, first: int, meta: dict, wandb_runs:
         if time.time() - printed >= 1 or done == args.num_iterations:  # a line a second
             printed = time.time()
             print(progress(args, metrics, done, first, seconds), flush=True)
-        failure = first_nonfinite(args, {k: v[:, :done] for k, v in metrics.items()})
+        # a sweep's diverged configurations are among its results: the others train on
+        if not args.sweep:
+            failure = first_nonfinite(
+                args, {k: v[:, :done] for k, v in metrics.items()}
+            )
         if args.save_every and done - saved_at >= args.save_every and not failure:
             folder, line = save(state, metrics, done)
             if folder:
@@ -1430,7 +1542,7 @@ def train(args: Args, program, run_dir: str, first: int, meta: dict, wandb_runs:
         )
         return state, metrics, done, failure, signum
     metrics = {k: v[:, :done] for k, v in metrics.items()}
-    steps = (done - first) * args.batch_size * args.num_seeds
+    steps = (done - first) * args.batch_size * len(args.members)
     finals = final_return(metrics)
     for wandb_run, final in zip(wandb_runs, finals):
         wandb_run.summary["final_episodic_return"] = float(final)
@@ -1491,6 +1603,9 @@ def main(args: Args) -> None:
         )
         if not (signum or failure):
             failure = first_nonfinite(args, metrics, params)
+        if failure and args.sweep:  # ranked last in the table; every run is kept
+            print(f"warning: {failure}", file=sys.stderr)
+            failure = None
     # save
     if args.save_model and not (failure or signum):
 
@@ -1506,6 +1621,7 @@ def main(args: Args) -> None:
         )
         exit_code = 0 if folder else 1
     # evaluate
+    returns = None
     if (args.eval_episodes or args.eval_checkpoint) and not (failure or signum):
         returns = evaluate(args, params, norm)
         for wandb_run, r in zip(wandb_runs, returns):
@@ -1517,6 +1633,8 @@ def main(args: Args) -> None:
             f"eval: {returns.shape[1]} episodes, deterministic={args.eval_deterministic}, "
             f"eval/episodic_return={summary}"
         )
+    if args.sweep and not signum:
+        print(sweep_table(args, final_return(metrics), returns))
     if failure:
         exit_code = 1
     elif signum:

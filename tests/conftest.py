@@ -64,6 +64,22 @@ def train(script, args):
     return jax.tree.map(np.asarray, script.run(args)[1])
 
 
+def same_run(a: dict, b: dict) -> bool:
+    """The same trajectory up to float reduction order: every episode return equal, every loss
+    within 1e-5 relative or 1e-6 absolute (the policy loss averages to nearly zero)."""
+    for k in a:
+        exact = k.startswith("charts/") or k == "global_step"
+        if not np.allclose(
+            a[k],
+            b[k],
+            rtol=0 if exact else 1e-5,
+            atol=0 if exact else 1e-6,
+            equal_nan=True,
+        ):
+            return False
+    return True
+
+
 def rounding(a, b):
     """|a - b| relative to |a| above 1: float32 rounding grows with the value (normalized inputs
     give latents of 5 and more, where 1e-6 is 2 ulps)."""

@@ -73,8 +73,9 @@ def same_params(a: list, b: list) -> bool:  # up to float reduction order
     )
 
 
-def seeds_args(script):
-    return tiny_args(script, num_seeds=8, latent_size=4)
+def seeds_args(script):  # 8 runs: 2 --sweep configurations x 4 seeds
+    sweep = ("learning-rate=1e-3,3e-3",)
+    return tiny_args(script, num_seeds=4, sweep=sweep, latent_size=4)
 
 
 def sharded_args(script, **overrides):
@@ -123,7 +124,8 @@ def runs(request, tmp_path_factory):
 
 
 def test_seeds_over_4_devices_equal_one_device(runs):
-    """--num-seeds 8 on 4 devices (2 each): seed i ends where it ends on one device."""
+    """2 --sweep configurations x --num-seeds 4 on 4 devices (2 runs each): run i ends where it
+    ends on one device."""
     _, got = runs
     params, metrics = got["seeds"]
     one_params, one_metrics = got["one_seeds"]
@@ -166,8 +168,8 @@ def test_sharded_replay_is_exact(runs):
 
 
 def test_two_processes_train_what_one_process_with_4_devices_trains(runs, tmp_path):
-    """2 processes of 2 CPU devices each (gloo collectives), started as on a cluster: the seeds
-    they saved equal the 4-device run's."""
+    """2 processes of 2 CPU devices each (gloo collectives), started as on a cluster: the runs
+    they saved, one folder per --sweep configuration, equal the 4-device run's."""
     script, got = runs
     if script is not ppo_nnx:
         pytest.skip(
@@ -176,11 +178,12 @@ def test_two_processes_train_what_one_process_with_4_devices_trains(runs, tmp_pa
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
+    args = seeds_args(script)
     flags = [
         f"--{k.replace('_', '-')}={v}"
-        for k, v in vars(seeds_args(script)).items()
-        if v != getattr(script.Args, k)
-    ] + ["--save-model"]
+        for k, v in vars(args).items()
+        if v != getattr(script.Args, k) and k != "sweep"
+    ] + ["--save-model", "--sweep", *args.sweep]
     processes = [
         subprocess.Popen(
             [sys.executable, script.__file__, *flags],
@@ -201,8 +204,9 @@ def test_two_processes_train_what_one_process_with_4_devices_trains(runs, tmp_pa
     assert [p.returncode for p in processes] == [0, 0], err0[-3000:]
     assert "summary:" in out0 and "summary:" not in out1  # only process 0 prints
     (run_dir,) = (tmp_path / "runs").iterdir()
-    _, params, _ = script.load_run(script.Args(eval_checkpoint=str(run_dir)))
-    params = [np.asarray(x) for x in jax.tree.leaves(params)]
+    configs = [run_dir / script.config_name(config) for config in args.configs]
+    saved = [script.load_run(script.Args(eval_checkpoint=str(c)))[1] for c in configs]
+    params = [np.concatenate(x) for x in zip(*map(jax.tree.leaves, saved))]
     assert same_params(params, got["seeds"][0])
     assert not same_params(
         params, [np.roll(x, 1, 0) for x in got["seeds"][0]]

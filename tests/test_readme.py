@@ -308,7 +308,7 @@ def table_rows(heading: str) -> list[list[str]]:
 
 
 def value(cell: str):
-    words = {"on": True, "off": False, "None": None}
+    words = {"on": True, "off": False, "None": None, "()": ()}
     if cell in words:
         return words[cell]
     try:

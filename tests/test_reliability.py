@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ppo_nnx
-from conftest import TINY_FLAGS, run_cli, tiny_args, train
+from conftest import TINY_FLAGS, run_cli, same_run, tiny_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -46,22 +46,6 @@ def bitwise_equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         np.array_equal(a[k], b[k], equal_nan=True) for k in a
     )
-
-
-def same_run(a: dict, b: dict) -> bool:
-    """The same trajectory up to float reduction order: every episode return equal, every loss
-    within 1e-5 relative or 1e-6 absolute (the policy loss averages to nearly zero)."""
-    for k in a:
-        exact = k.startswith("charts/") or k == "global_step"
-        if not np.allclose(
-            a[k],
-            b[k],
-            rtol=0 if exact else 1e-5,
-            atol=0 if exact else 1e-6,
-            equal_nan=True,
-        ):
-            return False
-    return True
 
 
 def test_same_seed_twice_is_bitwise_identical(seed_runs):

@@ -290,7 +290,7 @@ def test_a_run_too_big_for_memory_is_refused_naming_flags(monkeypatch, capsys):
     1 kB refuses the tiny run, in one line from `main`; 1 GB (the control) takes it."""
     monkeypatch.setattr(ppo_nnx, "free_memory", lambda device: 1e9)
     args = ppo_nnx.check_args(tiny_args(ppo_nnx))
-    chunk = ppo_nnx.compile_run(args)[1]
+    chunk = ppo_nnx.compile_run(args)[1].func  # the compiled program
     monkeypatch.setattr(ppo_nnx, "free_memory", lambda device: 1e3)
     with pytest.raises(ValueError) as error:
         ppo_nnx.check_memory(args, chunk)
