@@ -2,6 +2,7 @@
 with memory, 4 seeds per configuration, all in one compiled program.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/sweep_example.py
+    python benchmarks/sweep_example.py --plot   # the plot again, from the CSV
 
 It trains what `python ppo_nnx_vae_lstm.py` trains with FLAGS, through the script's own functions
 (`run`, `evaluate`, `sweep_table`), and keeps every run's curve. It writes, in results/:
@@ -35,32 +36,46 @@ def latest(returns: np.ndarray) -> np.ndarray:
     return np.take_along_axis(returns, np.maximum.accumulate(index, axis=1), axis=1)
 
 
-def plot(args, steps: np.ndarray, returns: np.ndarray, path: Path) -> None:
+def smooth(curves: np.ndarray, window: int) -> np.ndarray:
+    """A moving mean over `window` iterations, along the last axis."""
+    kernel = np.ones(window) / window
+    return np.stack([np.convolve(c, kernel, mode="valid") for c in curves])
+
+
+def plot(csv: Path, png: Path) -> None:
+    """From the CSV alone: each configuration's mean over its seeds, the seeds' range shaded,
+    every run smoothed over 2% of the iterations."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import ppo_nnx_vae_lstm as script
-
-    by_config = latest(returns).reshape(len(args.configs), args.num_seeds, -1)
+    header, *rows = csv.read_text().splitlines()
+    names = header.split(",")[1:]
+    table = np.array([[float(x or "nan") for x in row.split(",")] for row in rows])
+    steps, returns = table[:, 0], latest(table[:, 1:].T)
+    window = max(1, len(steps) // 50)
+    configs = list(dict.fromkeys(name.split(" seed ")[0] for name in names))
     figure, axes = plt.subplots(figsize=(7, 4.5))
     with warnings.catch_warnings():  # before any episode ended: NaN
         warnings.simplefilter("ignore", RuntimeWarning)
-        for config, runs in zip(args.configs, by_config):
-            line = axes.plot(
-                steps, np.nanmean(runs, 0), label=script.config_name(config)
-            )
-            low, high = np.nanmin(runs, 0), np.nanmax(runs, 0)
-            axes.fill_between(steps, low, high, color=line[0].get_color(), alpha=0.15)
-    axes.set(xlabel="global_step", ylabel="episodic_return (mean of 4 seeds)")
-    axes.set_title("ppo_nnx_vae_lstm.py, CartPole-v1 velocities masked: --sweep")
+        for config in configs:
+            runs = [i for i, name in enumerate(names) if name.startswith(config + " ")]
+            curves = smooth(returns[runs], window)
+            x = steps[window - 1 :]
+            line = axes.plot(x, np.nanmean(curves, 0), label=config)
+            low, high = np.nanmin(curves, 0), np.nanmax(curves, 0)
+            axes.fill_between(x, low, high, color=line[0].get_color(), alpha=0.12)
+    axes.set(xlabel="global_step", ylabel="episodic_return, mean of the seeds")
+    axes.set_title("ppo_nnx_vae_lstm.py --sweep, CartPole-v1 with velocities masked")
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    figure.savefig(png, dpi=100)
 
 
 def main():
+    if sys.argv[1:] == ["--plot"]:  # again, from the CSV
+        return plot(RESULTS / "sweep_example.csv", RESULTS / "sweep_example.png")
     sys.path.insert(0, str(ROOT))
     import jax
     import tyro
@@ -78,14 +93,16 @@ def main():
 
     steps = metrics["global_step"][0]
     episodic = np.asarray(metrics["charts/episodic_return"])
+    # "learning-rate=0.001 ent-coef=0 seed 1": no comma inside a CSV column's name
     names = [f"{script.config_name(c)} seed {seed}" for c, seed in args.members]
+    names = [name.replace(",", " ") for name in names]
     rows = ["global_step," + ",".join(names)]
     rows += [
         f"{step}," + ",".join(f"{x:.2f}" for x in column)
         for step, column in zip(steps, episodic.T)
     ]
     (RESULTS / "sweep_example.csv").write_text("\n".join(rows) + "\n")
-    plot(args, steps, episodic, RESULTS / "sweep_example.png")
+    plot(RESULTS / "sweep_example.csv", RESULTS / "sweep_example.png")
 
     xla = os.environ.get("XLA_FLAGS")
     (RESULTS / "sweep_example.md").write_text(
