@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import importlib
 import itertools
 import math
 import os
@@ -58,7 +59,7 @@ class Args:
     track: bool = False  # if toggled, this experiment will be tracked with Weights and Biases
     wandb_project_name: str = "ppo-nnx"  # the wandb's project name
     wandb_entity: Optional[str] = None  # the entity (team) of wandb's project
-    env_id: str = "CartPole-v1"  # the id of the gymnax environment
+    env_id: str = "CartPole-v1"  # a gymnax id, or package.module:Class of an env with its API
     mask_velocity: bool = False  # hide velocities (CartPole-v1, Pendulum-v1): needs memory
     total_timesteps: int = 500_000  # total env steps of the experiment (per seed)
     learning_rate: float = 2.5e-4  # the learning rate of the optimizer
@@ -458,23 +459,40 @@ POSITIONS = {"CartPole-v1": [0, 2], "Pendulum-v1": [0, 1]}  # what --mask-veloci
 
 
 def make_env(args: Args):
-    """gymnax.make, with errors that name the flag: (env, env_params)."""
-    if args.env_id not in gymnax.registered_envs:
+    """gymnax.make of a registered id or, given `package.module:Class`, that class built with no
+    arguments (any env with gymnax 1.0's API), with errors that name the flag: (env, params)."""
+    module_name, _, class_name = args.env_id.rpartition(":")
+    if module_name:
+        try:
+            env_class = getattr(importlib.import_module(module_name), class_name)
+        except ImportError as error:
+            raise ValueError(
+                f"--env-id {args.env_id}: cannot import {module_name} ({error}); "
+                "install the package that provides it"
+            ) from None
+        except AttributeError:
+            raise ValueError(
+                f"--env-id {args.env_id}: {module_name} has no {class_name}"
+            ) from None
+    elif args.env_id not in gymnax.registered_envs:
         choices = ", ".join(gymnax.registered_envs)
         raise ValueError(
-            f"--env-id {args.env_id!r} is not a gymnax environment; choose one of: "
-            + choices
+            f"--env-id {args.env_id!r} is not a gymnax environment (nor "
+            "package.module:Class); choose one of: " + choices
         )
     if args.mask_velocity and args.env_id not in POSITIONS:
         raise ValueError(
             f"--mask-velocity supports --env-id {' or '.join(POSITIONS)}, not {args.env_id}"
         )
     try:
-        return gymnax.make(args.env_id)
+        if not module_name:
+            return gymnax.make(args.env_id)
+        env = env_class()
+        return env, env.default_params
     # e.g. an env that downloads its data, on an offline machine
     except Exception as error:
         raise ValueError(
-            f"--env-id {args.env_id}: gymnax could not build it ({error})"
+            f"--env-id {args.env_id}: could not build it ({error})"
         ) from None
 
 
