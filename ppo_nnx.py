@@ -81,6 +81,7 @@ class Args:
     sweep: tuple[str, ...] = ()  # a grid trained at once, e.g. gamma=0.9,0.99 ent-coef=0,0.01
     hidden_size: int = 64  # width of the hidden layers
     activation: Literal["tanh", "relu"] = "tanh"  # the hidden layers' nonlinearity (CleanRL: tanh)
+    encoder: Literal["mlp", "conv"] = "mlp"  # conv: a small CNN first, for images [H, W, C]
     latent_size: int = 0  # size of the VariationalBottleneck in the actor (0 = no bottleneck)
     kl_coef: float = 1e-3  # weight of the bottleneck's KL to N(0, I) in the loss
     norm_obs: Optional[bool] = None  # normalize observations (None: if actions are continuous)
@@ -216,6 +217,11 @@ def check_args(args: Args) -> Args:
     if not (args.eval_checkpoint or args.resume):
         devices(args)
     env, env_params = make_env(args)
+    shape = env.observation_space(env_params).shape
+    if args.encoder == "conv" and len(shape) != 3:
+        raise ValueError(
+            f"--encoder conv needs image observations [H, W, C]; {args.env_id}'s are {shape}"
+        )
     continuous = not isinstance(env.action_space(env_params), spaces.Discrete)
     return dataclasses.replace(
         args,
@@ -317,6 +323,41 @@ def mlp(
     return nnx.Sequential(*layers)
 
 
+def patches(x: jax.Array, stride: int) -> jax.Array:
+    """[..., H, W, C] -> [..., H', W', 9 C]: the 3x3 neighbourhood of every `stride`-th pixel,
+    zero-padded as SAME. A 3x3 convolution is then a matrix product, which XLA runs fast on a
+    CPU inside loops, where its own convolutions run several times slower."""
+    height, width = x.shape[-3:-1]
+    out_h, out_w = math.ceil(height / stride), math.ceil(width / stride)
+    pad_h, pad_w = (out_h - 1) * stride + 3 - height, (out_w - 1) * stride + 3 - width
+    pads = [(pad_h // 2, pad_h - pad_h // 2), (pad_w // 2, pad_w - pad_w // 2), (0, 0)]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 3) + pads)
+    rows, cols = (out_h - 1) * stride + 1, (out_w - 1) * stride + 1
+    shifted = [
+        x[..., i : i + rows : stride, j : j + cols : stride, :]
+        for i in range(3)
+        for j in range(3)
+    ]
+    return jnp.concatenate(shifted, axis=-1)
+
+
+class ConvEncoder(nnx.Module):
+    """--encoder conv: images [..., H, W, C] to features [..., size], through two 3x3
+    convolutions with ReLU (16 channels, then 32 at stride 2), a small CNN as for MinAtar."""
+
+    def __init__(self, shape: tuple, rngs: nnx.Rngs):
+        height, width, channels = shape
+        orthogonal = nnx.initializers.orthogonal(math.sqrt(2))  # as mlp's hidden layers
+        self.conv1 = nnx.Linear(9 * channels, 16, kernel_init=orthogonal, rngs=rngs)
+        self.conv2 = nnx.Linear(9 * 16, 32, kernel_init=orthogonal, rngs=rngs)
+        self.size = math.ceil(height / 2) * math.ceil(width / 2) * 32
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jax.nn.relu(self.conv1(patches(x, 1)))
+        x = jax.nn.relu(self.conv2(patches(x, 2)))
+        return x.reshape(x.shape[:-3] + (-1,))
+
+
 class VariationalBottleneck(KeyCarryModule):
     """z = mean + std * eps, eps from the per-env key, with the KL to N(0, I) as a loss."""
 
@@ -405,12 +446,18 @@ class GaussianSampler(KeyCarryModule):
 
 
 class ActorCritic(StatefulModule):
-    """CleanRL's separate actor and critic MLPs, optionally a bottleneck in the actor."""
+    """CleanRL's separate actor and critic MLPs, optionally a bottleneck in the actor; with
+    --encoder conv, one CNN in front of both, as in CleanRL's Atari PPO."""
 
     def __init__(
-        self, obs_size: int, action_head: int, sampler, args: Args, rngs: nnx.Rngs
+        self, obs_shape: tuple, action_head: int, sampler, args: Args, rngs: nnx.Rngs
     ):
         h, activation = args.hidden_size, ACTIVATIONS[args.activation]
+        self.conv = None  # built only if asked: its init draws from rngs
+        obs_size = obs_shape[-1]
+        if args.encoder == "conv":
+            self.conv = nnx.data(ConvEncoder(obs_shape, rngs))
+            obs_size = self.conv.size
         torso = mlp([obs_size, h, h], math.sqrt(2), activation, rngs)
         # the torso's features come activated, as the hidden layers' do
         self.actor_torso = nnx.Sequential(*torso.layers, activation)
@@ -426,8 +473,13 @@ class ActorCritic(StatefulModule):
         stateful = ("bottleneck", "sampler")
         self.stateful = stateful if args.latent_size else ("sampler",)
 
+    def features(
+        self, obs: jax.Array
+    ) -> jax.Array:  # what the MLPs read: through the CNN
+        return obs if self.conv is None else self.conv(obs)
+
     def value(self, obs: jax.Array) -> jax.Array:  # V(obs), [B]
-        return self.critic(obs)[..., 0]
+        return self.critic(self.features(obs))[..., 0]
 
     def child(self, name: str, carry, x, extras: dict):
         """Child `name`'s step, on its own part of the carry and of the extras."""
@@ -436,13 +488,14 @@ class ActorCritic(StatefulModule):
     def __call__(self, carry, obs, rollout_extras=None):
         extras = rollout_extras or dict.fromkeys(self.stateful)
         outs = {}
-        hidden = self.actor_torso(obs)
+        x = self.features(obs)
+        hidden = self.actor_torso(x)
         if self.bottleneck is not None:
             outs["bottleneck"] = self.child("bottleneck", carry, hidden, extras)
             hidden = outs["bottleneck"].output
         logits_or_mean = self.actor_head(hidden)
         outs["sampler"] = self.child("sampler", carry, logits_or_mean, extras)
-        output = dict(outs["sampler"].output, value=self.value(obs))
+        output = dict(outs["sampler"].output, value=self.critic(x)[..., 0])
         if self.bottleneck is not None:
             output["latent"] = hidden
         return Output(
@@ -503,9 +556,12 @@ class Norm(NamedTuple):  # running moments, as gym's normalization wrappers keep
 
 
 def observe(obs: jax.Array, args: Args, norm: Optional[Norm] = None) -> jax.Array:
-    """[B, ...] env observations as [B, features] float32 inputs, masked with --mask-velocity and,
-    given the statistics `norm`, normalized with --norm-obs."""
-    obs = obs.reshape(obs.shape[0], -1).astype(jnp.float32)
+    """[B, ...] env observations as float32 inputs, [B, features] (with --encoder conv: images
+    [B, H, W, C]), masked with --mask-velocity and, given the statistics `norm`, normalized with
+    --norm-obs."""
+    if args.encoder == "mlp":
+        obs = obs.reshape(obs.shape[0], -1)
+    obs = obs.astype(jnp.float32)
     if args.mask_velocity:
         obs = obs[:, POSITIONS[args.env_id]]
     if norm is None or not args.norm_obs:
@@ -558,19 +614,19 @@ def update_norm(norm: Norm, obs, reward, done, args: Args) -> tuple[Norm, jax.Ar
 
 def build_model(args: Args, env, env_params, rngs: nnx.Rngs) -> ActorCritic:
     """The actor-critic for this env; the sampler follows from the action space."""
-    obs_size = observe(
+    obs_shape = observe(
         jnp.zeros((1,) + env.observation_space(env_params).shape), args
-    ).shape[1]
+    ).shape[1:]
     # bounds built with jnp stay concrete under jit
     with jax.ensure_compile_time_eval():
         space = env.action_space(env_params)
     if isinstance(space, spaces.Discrete):
-        return ActorCritic(obs_size, space.n, CategoricalSampler(rngs), args, rngs)
+        return ActorCritic(obs_shape, space.n, CategoricalSampler(rngs), args, rngs)
     size = int(np.prod(space.shape))
     low = np.broadcast_to(np.asarray(space.low, np.float32), (size,))
     high = np.broadcast_to(np.asarray(space.high, np.float32), (size,))
     sampler = GaussianSampler(size, tuple(low.tolist()), tuple(high.tolist()), rngs)
-    return ActorCritic(obs_size, size, sampler, args, rngs)
+    return ActorCritic(obs_shape, size, sampler, args, rngs)
 
 
 # ========================================= Rollout =========================================

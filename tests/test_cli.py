@@ -94,6 +94,7 @@ def test_unknown_env_exits_2_via_cli(script):
         (dict(learning_rate=float("nan")), "--learning-rate"),
         (dict(latent_size=-1), "--latent-size"),
         (dict(activation="gelu"), "--activation"),
+        (dict(encoder="conv"), "--encoder conv needs image observations"),  # CartPole
         (dict(env_id="Acrobot-v1", mask_velocity=True), "--mask-velocity"),
         (dict(seed=3_000_000_000), "--seed"),
         (dict(seed=2**31 - 2, num_seeds=4), "--seed"),

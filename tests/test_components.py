@@ -246,3 +246,39 @@ def test_mask_velocity_keeps_positions_only(script, env_id, keep):
 def test_mask_velocity_is_refused_elsewhere(script):
     with pytest.raises(ValueError, match="--mask-velocity supports"):
         script.make_env(script.Args(env_id="Acrobot-v1", mask_velocity=True))
+
+
+def test_conv_encoder_reads_images_whole(script):
+    """--encoder conv: observations stay images [B, 10, 10, C], and the CNN turns them into
+    [B, 5 * 5 * 32] features for the MLPs; without it they are flattened (the control)."""
+    inputs, features = {}, {}
+    for encoder in ("conv", "mlp"):
+        args = script.check_args(
+            tiny_args(script, env_id="Breakout-MinAtar", encoder=encoder)
+        )
+        env, env_params = script.make_env(args)
+        obs = script.observe(env.reset(jax.random.key(0), env_params)[0][None], args)
+        model = script.build_model(args, env, env_params, nnx.Rngs(0))
+        inputs[encoder], features[encoder] = obs.shape, model.features(obs).shape
+    assert inputs["conv"] == (1, 10, 10, 4) and features["conv"] == (1, 5 * 5 * 32)
+    assert inputs["mlp"] == features["mlp"] == (1, 400)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_patches_times_a_kernel_is_a_convolution(script, stride):
+    """`patches` then a matrix product: XLA's own 3x3 SAME convolution, on images with two batch
+    axes and odd sizes. Control: the kernel flipped left to right."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 9, 7, 4))
+    kernel = jax.random.normal(jax.random.key(1), (3, 3, 4, 5))
+    got = script.patches(x, stride) @ kernel.reshape(-1, 5)
+    dims = ("NHWC", "HWIO", "NHWC")
+
+    def convolution(k):
+        images = x.reshape((-1,) + x.shape[2:])
+        out = jax.lax.conv_general_dilated(
+            images, k, (stride, stride), "SAME", dimension_numbers=dims
+        )
+        return out.reshape(got.shape)
+
+    np.testing.assert_allclose(got, convolution(kernel), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, convolution(kernel[:, ::-1]), atol=1e-2)

@@ -31,6 +31,8 @@ CARTPOLE = "gymnax.environments.classic_control.cartpole:CartPole"  # by import 
 CASES = [(ppo_nnx, env_id) for env_id in gymnax.registered_envs] + [
     (ppo_nnx_vae_lstm, env_id) for env_id in RECURRENT + [CARTPOLE]
 ]
+# --encoder conv, on images [10, 10, C]
+CONV = [(script, "Asterix-MinAtar") for script in (ppo_nnx, ppo_nnx_vae_lstm)]
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,12 @@ def test_env_trains_or_is_refused(script, env_id, capsys, monkeypatch):
         return
     out = capsys.readouterr().out
     assert f"summary: env={env_id} " in out and "env_steps=32 " in out, out
+
+
+@pytest.mark.parametrize("script, env_id", CONV, ids=[s.__name__ for s, _ in CONV])
+def test_image_env_trains_through_the_cnn(script, env_id, capsys):
+    script.main(script.Args(env_id=env_id, encoder="conv", **TINY))
+    assert f"summary: env={env_id} " in capsys.readouterr().out
 
 
 class ShortCartPole(CartPole):

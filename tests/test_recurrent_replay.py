@@ -18,7 +18,9 @@ from conftest import TOL, module_rng_bottleneck, rounding, second_rollout, tiny_
 
 NUM_ENVS, NUM_STEPS = 4, 48
 MINIBATCH_COUNTS = (1, 2, NUM_ENVS)
-MAX_STEPS = {"CartPole-v1": 30, "Pendulum-v1": 20}  # several episode ends of both kinds
+# several episode ends of both kinds
+MAX_STEPS = {"CartPole-v1": 30, "Pendulum-v1": 20, "Breakout-MinAtar": 20}
+ENCODER = {"Breakout-MinAtar": "conv"}  # images [10, 10, 4]: through the CNN
 
 
 def record_and_replay(env_id: str, latent_size: int = 8):
@@ -31,6 +33,7 @@ def record_and_replay(env_id: str, latent_size: int = 8):
         latent_size=latent_size,
         norm_obs=norm,
         norm_reward=norm,
+        encoder=ENCODER.get(env_id, "mlp"),
     )
     env, env_params = recurrent.make_env(args)
     env_params = env_params.replace(max_steps_in_episode=MAX_STEPS[env_id])
@@ -104,7 +107,12 @@ def largest_difference(t, replayed) -> dict:
     return {k: float(v.max()) for k, v in found.items()}
 
 
-CASES = [("CartPole-v1", 8), ("Pendulum-v1", 8), ("CartPole-v1", 0)]
+CASES = [
+    ("CartPole-v1", 8),
+    ("Pendulum-v1", 8),
+    ("CartPole-v1", 0),
+    ("Breakout-MinAtar", 8),
+]
 
 
 @pytest.fixture(
