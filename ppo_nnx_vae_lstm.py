@@ -554,9 +554,8 @@ class ActorCritic(StatefulModule):
         stateful = ("lstm", "bottleneck", "sampler")
         self.stateful = stateful if args.latent_size else ("lstm", "sampler")
 
-    def features(
-        self, obs: jax.Array
-    ) -> jax.Array:  # what the MLPs read: through the CNN
+    def features(self, obs: jax.Array) -> jax.Array:
+        """What the MLPs read: the observation, through the CNN if there is one."""
         return obs if self.conv is None else self.conv(obs)
 
     def value(self, carry, obs: jax.Array) -> jax.Array:
