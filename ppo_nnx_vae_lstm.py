@@ -1360,7 +1360,8 @@ def reserve_run_dir(args: Args) -> tuple[str, int]:
     """Create runs/{env_id}__{exp_name}__{seed}__{stamp} before anything compiles, with the next
     free stamp if it is taken (runs started in the same second), and prove it writable."""
     stamp, error = int(time.time()), ""
-    prefix = f"runs/{args.env_id}__{args.exp_name}__{args.seed}__"  # CleanRL's run name
+    env_name = args.env_id.replace("/", "-")  # suites:SUITE/NAME, as one folder
+    prefix = f"runs/{env_name}__{args.exp_name}__{args.seed}__"  # CleanRL's run name
     if jax.process_index() == 0:  # on a shared file system, one host reserves for all
         try:
             os.makedirs("runs", exist_ok=True)

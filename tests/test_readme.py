@@ -11,9 +11,10 @@ of a shell block (continuations joined, comments dropped) is one command of a kn
   another in one process, which pays the imports once; compiled programs are shared through
   JAX's disk cache. Not run, only parsed: commands that need several devices or processes
   (`XLA_FLAGS`, `JAX_COORDINATOR_ADDRESS`) or a saved run (`--resume`, `--eval-checkpoint`).
+  Skipped: a command whose `--env-id suites:SUITE/NAME` names a suite that is not installed.
 - `python -m pytest`: must be CI's command (`.ci/run`), with `WANDB_MODE=offline`.
 - `pip install -r FILE ...`: FILE must exist; a jax pinned there must be requirements.txt's.
-- `python benchmarks/X.py`, `bash benchmarks/X.sh`: X must exist.
+- `python benchmarks/X.py`, `bash benchmarks/X.sh`: X must exist. `python suites.py`: counted.
 - making and activating a virtual environment, `wandb login` and `wandb sync`: counted, not run.
 
 Any other command fails the test, so a new kind of command needs a rule here. Python blocks must
@@ -23,6 +24,7 @@ defaults are the scripts' own, and every `--flag` the page names is a flag of a 
 
 import ast
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -38,14 +40,15 @@ import tyro
 
 import ppo_nnx
 import ppo_nnx_vae_lstm
+import suites
 from conftest import TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 SCRIPTS = {"ppo_nnx.py": ppo_nnx, "ppo_nnx_vae_lstm.py": ppo_nnx_vae_lstm}
 SHELLS = ("bash", "sh", "shell")
-# flags of other programs that the page names: learning.py's, ruff's, every program's --help
-OTHER_FLAGS = {"only", "list", "check", "help"}
+# flags of other programs that the page names: learning.py's, ruff's, pip's, every program's --help
+OTHER_FLAGS = {"only", "list", "check", "help", "no-deps"}
 
 
 class Command(NamedTuple):
@@ -104,6 +107,8 @@ def kind_of(argv: list) -> str:
         return "pip"
     if program in (".", "source") and rest == [".venv/bin/activate"]:
         return "activate"
+    if python and rest == ["suites.py"]:
+        return "suites"
     if (python or program == "bash") and rest and rest[0].startswith("benchmarks/"):
         return "benchmark"
     if program == "wandb" and rest[:1] in (["login"], ["sync"]):
@@ -128,13 +133,24 @@ def parse(command: Command):
         raise AssertionError(f"check_args refused {command.line}: {error}") from None
 
 
+def missing_suite(command: Command) -> str:
+    """The module of the suite its `--env-id suites:SUITE/NAME` names, if it is not installed."""
+    for word in command.argv:
+        if word.startswith("suites:"):
+            _, module, _ = suites.SUITES[word[len("suites:") :].split("/")[0]]
+            if importlib.util.find_spec(module) is None:
+                return module
+    return ""
+
+
 def runnable(command: Command) -> bool:
     """One process on one device, with nothing saved before it (tests/test_devices.py runs the
-    scripts on many devices and processes)."""
+    scripts on many devices and processes), its suite installed."""
     flags = {word.split("=")[0] for word in command.argv[2:]}
     return not (
         {"JAX_COORDINATOR_ADDRESS", "XLA_FLAGS"} & command.env.keys()
         or flags & {"--resume", "--eval-checkpoint"}
+        or missing_suite(command)
     )
 
 
@@ -143,6 +159,7 @@ def runnable(command: Command) -> bool:
 DRIVER = """
 import json, os, runpy, sys
 script, out, mark, commands = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` does: suites.py beside it
 for i, flags in enumerate(commands):
     os.makedirs(f"{out}/{i}")
     os.chdir(f"{out}/{i}")
@@ -237,6 +254,8 @@ def test_every_command_is_of_a_known_kind():
     "command", SCRIPT_COMMANDS, ids=[c.line[:80] for c in SCRIPT_COMMANDS]
 )
 def test_script_command(command, ran):
+    if missing_suite(command):  # CI installs requirements-envs.txt
+        pytest.skip(f"{missing_suite(command)} is not installed")
     parse(command)
     if runnable(command):
         code, out, err = ran(command)
