@@ -1,7 +1,7 @@
 """Where one PPO iteration spends its time: each phase compiled and timed on its own, with the
 number of operations XLA keeps in it after optimization.
 
-    python benchmarks/profile.py [SCRIPT] [FLAGS...]     # default: ppo_nnx, CleanRL's CartPole
+    python benchmarks/phases.py [SCRIPT] [FLAGS...]     # default: ppo_nnx, CleanRL's CartPole
 
 Phases: one rollout step (network, sampling, env step, statistics), the whole rollout, the
 bootstrap values and GAE, one minibatch's forward and backward pass, one optimizer step, the whole
