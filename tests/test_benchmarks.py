@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import suites
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORD, REPORT = ROOT / "benchmarks" / "record.py", ROOT / "benchmarks" / "report.py"
 LEARNING = ROOT / "benchmarks" / "learning.py"
@@ -270,3 +272,24 @@ def test_learning_runs_parse_and_select():
         for env in ("CartPole-v1", "Breakout-MinAtar")
         for script in ("ppo_nnx", "rejax")
     ], done.stdout
+
+
+def test_env_suite_rows_parse_and_select():
+    """Every row of env_suites.py that is ours has flags its script takes, where the suite is
+    installed; --only with no match runs nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import env_suites
+    import record
+
+    ours = [
+        (name, s, flags) for name, s, flags in env_suites.ROWS if s != "playground_ppo"
+    ]
+    assert {s for _, s, _ in ours} == {"ppo_nnx", "ppo_nnx_vae_lstm"}
+    for name, script, flags in ours:
+        env_id = flags[flags.index("--env-id") + 1]
+        module = suites.SUITES[env_id.split(":")[1].split("/")[0]][1]
+        if importlib.util.find_spec(module) is not None:
+            _, args = record.parse_ours(script, flags)
+            assert args.env_id == env_id and name.split()[0] == script, name
+    done = python(ROOT / "benchmarks" / "env_suites.py", "--only", "Nope")
+    assert done.returncode == 1 and "no row's name has Nope" in done.stderr, done.stderr
