@@ -2,13 +2,14 @@
 `--env-id suites:SUITE/NAME`:
 
     python ppo_nnx_vae_lstm.py --env-id suites:xminigrid/MiniGrid-MemoryS8
-    python ppo_nnx.py --env-id suites:popgym_arcade/CountRecallEasy-partial --encoder conv
+    python ppo_nnx.py --env-id suites:popgym_arcade/CountRecallEasy-partial-32 --encoder conv
     python ppo_nnx.py --env-id suites:playground/CartpoleBalance
 
 Each adapter steps the suite's own environment without its auto-reset and leaves the reset to
 gymnax's `Environment.step`, which keeps the observation the step led to in
-`info["final_observation"]`. `terminated` is true only where the suite ends the episode and
-`truncated` only at its time limit, so GAE bootstraps a time limit from the final observation.
+`info["final_observation"]`. `terminated` is true where the suite ends the episode, and
+`truncated` where its time limit cuts one that did not end, so GAE bootstraps from the final
+observation only there.
 The suites are optional (requirements-envs.txt); each is imported when an env of it is named.
 `python suites.py` says which are installed and checks that gymnax's own files are intact.
 """
