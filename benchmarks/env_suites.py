@@ -1,35 +1,35 @@
-"""Learning on the env suites of suites.py, 8 seeds a row, written to results/suites/ (one file a
-row) and summed up in results/suites.md, suites.csv and suites.png:
+"""Learning on the env suites of suites.py, 8 seeds a row, each row in its own file in
+results/suites/, then results/suites.md (table), suites.csv (every run's curve) and suites.png:
 
-- memory where it is needed: ppo_nnx_vae_lstm.py against ppo_nnx.py on xminigrid's
-  MiniGrid-MemoryS8, where the cue seen at the start picks the door at the end;
-- continuous control beside the suite's own PPO: ppo_nnx.py against MuJoCo Playground's PPO
-  (brax's trainer with the settings Playground publishes for the env) on CartpoleBalance, both at
-  the budget given here, a twelfth of Playground's 60M steps.
+- memory where it is needed: ppo_nnx_vae_lstm.py against ppo_nnx.py, with the same flags, on
+  xminigrid's MiniGrid-MemoryS8, where the object seen at the start picks the right one at the
+  end of the corridor; a policy without memory can only guess, and wins about half the time;
+- continuous control: ppo_nnx.py on MuJoCo Playground's CartpoleBalance (return at most 1000).
 
-    python benchmarks/env_suites.py                        # every row
-    python benchmarks/env_suites.py --only MemoryS8        # the rows whose name has any of these
-    python benchmarks/env_suites.py --report               # the summary from the files there
+    python benchmarks/env_suites.py                     # every row: about 75 min on a 2-core CPU
+    python benchmarks/env_suites.py --only MemoryS8     # the rows whose name has any of these
+    python benchmarks/env_suites.py --report            # the summary again, from the files
 
 Run it with the Python that has requirements-envs.txt and benchmarks/requirements.txt.
 """
 
 import argparse
-import datetime
 import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from report import plot, write_csv
 
-from common import machine, versions
-
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SEEDS = 8
+SUITES = (
+    "xminigrid",
+    "playground",
+    "mujoco",
+)  # the versions each result is reported with
 EVAL = ["--eval-episodes", "100"]
 MEMORY = [
     "--env-id",
@@ -54,7 +54,7 @@ MEMORY = [
     "True",
 ]
 CARTPOLE = "CartpoleBalance"
-BUDGET = 5_000_000
+BUDGET = 5_000_000  # Playground's own PPO settings train it for 60M
 # (name, script, flags): the name is the row's and its file's
 ROWS = [
     (
@@ -87,7 +87,6 @@ ROWS = [
             "0",
         ],
     ),
-    (f"playground_ppo {CARTPOLE}", "playground_ppo", []),
 ]
 
 
@@ -95,67 +94,6 @@ def run_ours(name: str, script: str, flags: list, out: Path) -> None:
     command = [sys.executable, "benchmarks/record.py", "--name", name, str(out), script]
     command += [*flags, "--num-seeds", str(SEEDS), *EVAL]
     subprocess.run(command, cwd=ROOT, check=True, timeout=3 * 3600)
-
-
-def run_playground_ppo(name: str, out: Path) -> None:
-    """Brax's PPO trainer on the Playground env, with Playground's published settings for it
-    (its dm_control_suite_params), the budget set to BUDGET: one seed after another."""
-    from brax.training.agents.ppo import train as ppo
-    from mujoco_playground import registry, wrapper
-    from mujoco_playground.config import dm_control_suite_params
-
-    settings = dm_control_suite_params.brax_ppo_config(CARTPOLE).to_dict()
-    steps_per_update = settings["batch_size"] * settings["unroll_length"]
-    steps_per_update *= settings["num_minibatches"]
-    # brax rounds each eval interval up to whole updates: one update per interval
-    settings.update(num_timesteps=BUDGET, num_evals=BUDGET // steps_per_update + 1)
-    env = registry.load(CARTPOLE, config_overrides={"impl": "jax"})
-    returns, seconds = [], []
-    for seed in range(SEEDS):
-        curve, start = [], time.perf_counter()
-
-        def progress(step, metrics):
-            curve.append((int(step), float(metrics["eval/episode_reward"])))
-
-        ppo.train(
-            environment=env,
-            wrap_env_fn=wrapper.wrap_for_brax_training,
-            eval_env=registry.load(CARTPOLE, config_overrides={"impl": "jax"}),
-            progress_fn=progress,
-            seed=seed,
-            **settings,
-        )
-        seconds.append(time.perf_counter() - start)
-        returns.append([value for _, value in curve])
-        print(f"{name}: seed {seed}, eval return {curve[-1][1]:.1f}", flush=True)
-    final = [seed[-1] for seed in returns]
-    record = dict(
-        name=name,
-        command=f"python benchmarks/env_suites.py --only '{name}'",
-        date=datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%d %H:%M UTC"
-        ),
-        machine=machine(),
-        versions=versions(),
-        script="playground_ppo",
-        settings=settings,
-        seeds=list(range(SEEDS)),
-        global_step=[step for step, _ in curve],
-        episodic_return=returns,
-        env_steps=curve[-1][0],
-        train_s=seconds,
-        eval_mean=statistics.mean(final),
-        eval_std=statistics.pstdev(final),
-        args=dict(env_id=f"suites:playground/{CARTPOLE}"),
-    )
-    out.write_text(json.dumps(record) + "\n")
-
-
-def wall_s(run: dict) -> float:
-    """The row's seconds: compile and train for ours (8 seeds at once), every seed's for brax's."""
-    if run["script"] == "playground_ppo":
-        return sum(run["train_s"])
-    return run["compile_s"] + statistics.median(run["train_s"])
 
 
 def report() -> None:
@@ -169,32 +107,37 @@ def report() -> None:
         path = RESULTS / "suites" / f"{name.replace(' ', '-')}.json"
         if path.exists():
             runs[name] = json.loads(path.read_text())
+    if not runs:
+        sys.exit(f"env_suites.py: no result files in {RESULTS / 'suites'}")
     lines = [
         "# Env suites",
         "",
-        "`python benchmarks/env_suites.py` ("
-        + __doc__.split("\n\n")[0].split(", ", 1)[1],
+        "`python benchmarks/env_suites.py`; each row's command is in its file in `suites/`.",
+        "Returns: mean ± std over the seeds, of the last iteration's episodes and of 100",
+        "evaluation episodes per seed (sampled actions). Wall time: compile and training of",
+        "all 8 seeds in one program.",
         "",
-        "| run | env steps per seed | last iteration's return | evaluated return | wall time |",
-        "| --- | --- | --- | --- | --- |",
+        "| run | env steps per seed | last iteration | evaluated | per seed (evaluated) | wall time |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     envs = {}
     for name, run in runs.items():
         envs.setdefault(run["args"]["env_id"], {})[name] = run
-        last = (
-            f"{run['mean']:.2f} ± {run['std']:.2f}"
-            if "mean" in run
-            else "(evaluates only)"
-        )
-        evaluated = f"{run['eval_mean']:.2f} ± {run['eval_std']:.2f}"
+        seeds = len(run["seeds"])
+        each = " ".join(f"{value:.2f}" for value in run["eval_return"])
+        wall = run["compile_s"] + statistics.median(run["train_s"])
         lines.append(
-            f"| {name} | {run['env_steps']:,} | {last} | {evaluated} | {wall_s(run) / 60:.1f} min |"
+            f"| {name} | {run['env_steps'] // seeds:,} | {run['mean']:.2f} ± {run['std']:.2f} "
+            f"| {run['eval_mean']:.2f} ± {run['eval_std']:.2f} | {each} | {wall / 60:.0f} min |"
         )
     first = next(iter(runs.values()))
+    versions = [f"{k} {v}" for k, v in first["versions"].items() if v]
+    pins = (ROOT / "requirements-envs.txt").read_text().splitlines()
+    versions += [pin.replace("==", " ") for pin in pins if pin.split("==")[0] in SUITES]
+    versions = ", ".join(versions)
     lines += [
         "",
-        f"Mean ± std over {SEEDS} seeds. Machine: {first['machine']['cpu']}, "
-        f"{first['machine']['cores']} cores; versions: {first['versions']}.",
+        f"{first['machine']['cpu']}, {first['machine']['cores']} cores; {versions}.",
         "",
     ]
     (RESULTS / "suites.md").write_text("\n".join(lines))
@@ -221,10 +164,7 @@ def main():
         out = RESULTS / "suites" / f"{name.replace(' ', '-')}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         print(f"{name} ...", flush=True)
-        if script == "playground_ppo":
-            run_playground_ppo(name, out)
-        else:
-            run_ours(name, script, flags, out)
+        run_ours(name, script, flags, out)
     report()
 
 

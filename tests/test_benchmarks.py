@@ -275,8 +275,8 @@ def test_learning_runs_parse_and_select():
 
 
 def test_env_suite_rows_parse_and_select():
-    """Every row of env_suites.py that is ours has flags its script takes, where the suite is
-    installed; --only with no match runs nothing."""
+    """Every row of env_suites.py has flags its script takes, where the suite is installed;
+    --only with no match runs nothing."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import env_suites
     import record
