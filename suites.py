@@ -88,6 +88,12 @@ class POPGymArcade(environment.Environment):
         super().__init__()
         self.env, self.params = suite("popgym_arcade").make(game, partial_obs=partial)
         self.size = size or self.env.obs_size
+        if self.env.obs_size % self.size:
+            raise ValueError(
+                f"-{size} must divide {self.env.obs_size}, the game's pixels"
+            )
+        # its info's "discount" asks gymnax for is_terminated, which the games do not define
+        self.env.discount = lambda state, params: jnp.float32(1.0)
 
     @property
     def default_params(self):
@@ -106,8 +112,10 @@ class POPGymArcade(environment.Environment):
         obs, state, reward, done, info = self.env.step_env(
             key, tracked.state, action, params
         )
-        terminated = done & info.get("terminated", True)
-        tracked = Tracked(state, done & ~terminated, tracked.time + 1)
+        # some games count their time limit in "terminated" too: "truncated" decides
+        truncated = done & jnp.asarray(info.get("truncated", False), bool)
+        terminated = done & jnp.asarray(info.get("terminated", True), bool) & ~truncated
+        tracked = Tracked(state, truncated, tracked.time + 1)
         return self.pixels(obs), tracked, reward, terminated, {}
 
     def is_truncated(self, tracked, params):
@@ -135,6 +143,10 @@ class Playground(environment.Environment):
         registry = suite("mujoco_playground").registry
         self.env = registry.load(env_id, config_overrides={"impl": "jax", **config})
         self.params = TimeLimit(self.env._config.episode_length)
+        if not isinstance(self.env.observation_size, int):
+            raise ValueError(
+                "its observations are a dict; suites.py adapts arrays only"
+            )
 
     @property
     def default_params(self):

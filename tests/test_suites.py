@@ -143,13 +143,17 @@ def test_xminigrid_mutation_fails(xminigrid_env):
         )
 
 
-# POPGym Arcade: CountRecallEasy ends when the cards run out or at its move limit
-@pytest.fixture(scope="module")
-def arcade_env():
+# POPGym Arcade: CountRecallEasy ends when the cards run out or at its move limit; CartPoleEasy
+# when the pole falls or at its step limit, which its info counts in "terminated" too
+ARCADE = ["CountRecallEasy", "CartPoleEasy"]
+
+
+@pytest.fixture(scope="module", params=ARCADE)
+def arcade_env(request):
     pytest.importorskip("popgym_arcade")
-    env = suites.popgym_arcade("CountRecallEasy-partial-32")
+    env = suites.popgym_arcade(f"{request.param}-partial-32")
     env.env.max_steps_in_episode = 30  # its limit is an attribute the step reads
-    env.env.num_cards = 8
+    env.env.num_cards = 8  # CountRecall's: the episode ends after 8 cards
     return env
 
 
@@ -165,8 +169,14 @@ def arcade_loop(env):
 
     def step(key, state, action):
         obs, state, reward, done, info = raw.step_env(key, state, action, params)
-        terminated = info["terminated"]
-        return pixels(obs), state, reward, terminated, info["truncated"] & ~terminated
+        truncated = done & info["truncated"]
+        return (
+            pixels(obs),
+            state,
+            reward,
+            done & info["terminated"] & ~truncated,
+            truncated,
+        )
 
     return suite_loop(reset, step, env, jax.random.key(1))
 
@@ -175,9 +185,17 @@ def test_popgym_arcade_steps_as_its_own_loop(arcade_env):
     assert_same(adapter_loop(arcade_env, jax.random.key(1)), arcade_loop(arcade_env))
 
 
+def every_end_terminates(self, key, tracked, action, params):
+    obs, tracked, reward, terminated, info = suites.POPGymArcade.step_env(
+        self, key, tracked, action, params
+    )
+    ended = terminated | tracked.truncated
+    return obs, tracked.replace(truncated=jnp.asarray(False)), reward, ended, info
+
+
 def test_popgym_arcade_mutation_fails(arcade_env):
-    """Control: an adapter that takes the game's every `done` for a termination."""
-    wrong = mutant(arcade_env, is_truncated=lambda self, tracked, params: False)
+    """Control: an adapter that takes the game's every end for a termination."""
+    wrong = mutant(arcade_env, step_env=every_end_terminates)
     with pytest.raises(AssertionError):
         assert_same(adapter_loop(wrong, jax.random.key(1)), arcade_loop(arcade_env))
 
@@ -189,6 +207,8 @@ def test_popgym_arcade_names():
     assert suites.popgym_arcade("CountRecallEasy-partial").env.partial_obs
     with pytest.raises(AttributeError, match="GAME\\[-partial\\]\\[-SIZE\\]"):
         suites.popgym_arcade("CountRecallEasy-hidden")
+    with pytest.raises(ValueError, match="-48 must divide 128"):
+        suites.popgym_arcade("CountRecallEasy-48")
 
 
 # MuJoCo Playground: CartpoleBalance with a 20-step episode, its step made to terminate once the
