@@ -199,6 +199,8 @@ def test_a_second_signal_stops_at_once_and_keeps_the_last_save(tmp_path):
     )
     while not process.stdout.readline().startswith("saved the training state: runs/"):
         assert process.poll() is None, process.stderr.read()
+    # into the next chunk: a signal before it starts stops the run there, cleanly
+    time.sleep(1.0)
     process.send_signal(signal.SIGINT)
     time.sleep(0.5)  # the first one seen: its handler hands the next one to the system
     process.send_signal(signal.SIGINT)
