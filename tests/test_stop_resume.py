@@ -184,41 +184,38 @@ def test_a_stopped_run_resumes_to_the_same_bits(script, sig, tmp_path, monkeypat
 
 
 def test_a_second_signal_stops_at_once_and_keeps_the_last_save(tmp_path):
-    """Long chunks, a save after each: a second Ctrl-C kills the process in the chunk under way
-    (the first only asks it to stop at the chunk's end), and the state saved before still
-    resumes. Up to 3 tries: on a loaded machine both signals can reach Python only after the
-    chunk returns, where they count as one and the run stops cleanly (exit 130)."""
+    """Chunks of about 10 s, a save after each: a second Ctrl-C kills the process in the chunk
+    under way (the first only asks it to stop at the chunk's end), and the state saved before
+    still resumes. The chunks are long so that both signals land inside the second one, on a
+    loaded machine too; with 1 s chunks the run could stop and exit before the second arrived."""
+    chunk = 20_000
     args = tiny_args(
-        ppo_nnx, total_timesteps=4 * 32 * 6000, chunk_iterations=2000, save_every=2000
+        ppo_nnx,
+        total_timesteps=4 * 32 * 3 * chunk,
+        chunk_iterations=chunk,
+        save_every=chunk,
     )
-    for attempt in range(3):
-        cwd = tmp_path / str(attempt)
-        cwd.mkdir()
-        process = subprocess.Popen(
-            [sys.executable, ppo_nnx.__file__, *flags(args)],
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        while not process.stdout.readline().startswith(
-            "saved the training state: runs/"
-        ):
-            assert process.poll() is None, process.stderr.read()
-        process.send_signal(signal.SIGINT)
-        time.sleep(
-            0.5
-        )  # the first one seen: its handler hands the next one to the system
-        process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=120)
-        if code == -signal.SIGINT:  # killed by the signal
-            break
-    # a stop at the chunk's end exits 130 and saves again
-    assert code == -signal.SIGINT, process.stderr.read()
-    (run_dir,) = (cwd / "runs").iterdir()
-    assert [p.name for p in (run_dir / "state").iterdir()] == ["2000"]
+    process = subprocess.Popen(
+        [sys.executable, ppo_nnx.__file__, *flags(args)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not process.stdout.readline().startswith("saved the training state: runs/"):
+        assert process.poll() is None, process.stderr.read()
+    time.sleep(
+        1.0
+    )  # into the second chunk: a signal before it would stop the run there
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # the first one seen: its handler hands the next one to the system
+    process.send_signal(signal.SIGINT)
+    # killed by the signal (a stop at the chunk's end exits 130 and saves again)
+    assert process.wait(timeout=300) == -signal.SIGINT, process.stderr.read()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert [p.name for p in (run_dir / "state").iterdir()] == [str(chunk)]
     resumed, meta = ppo_nnx.load_stopped(ppo_nnx.Args(resume=str(run_dir)))
-    assert meta["done"] == 2000 and resumed.total_timesteps == args.total_timesteps
+    assert meta["done"] == chunk and resumed.total_timesteps == args.total_timesteps
 
 
 # ---------------------------------------------------------------------------------------------
