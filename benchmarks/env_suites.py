@@ -9,6 +9,8 @@ results/suites/, then results/suites.md (table), suites.csv (every run's curve) 
     python benchmarks/env_suites.py                     # every row: about 75 min on a 2-core CPU
     python benchmarks/env_suites.py --only MemoryS8     # the rows whose name has any of these
     python benchmarks/env_suites.py --report            # the summary again, from the files
+    python benchmarks/env_suites.py --step-speed popgym_arcade/CartPoleEasy-partial-16
+                                                        # random env steps/s of suites' envs
 
 Run it with the Python that has requirements-envs.txt and benchmarks/requirements.txt.
 """
@@ -150,13 +152,55 @@ def report() -> None:
     print(f"wrote {RESULTS / 'suites.md'}, suites.csv and suites.png")
 
 
+def step_speed(names: list, num_envs: int = 64, num_steps: int = 200) -> None:
+    """Env steps/s of random actions, vmapped and scanned under jit. The observations are summed
+    into the result: a program that drops them lets XLA skip rendering them."""
+    import time
+
+    import jax
+
+    sys.path.insert(0, str(ROOT))
+    import suites
+
+    for name in names:
+        env = getattr(suites, name)()
+        params = env.default_params
+        step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+
+        def steps(key, env=env, params=params, step=step):
+            keys = jax.random.split(key, num_envs)
+            _, state = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
+
+            def body(state, key):
+                keys = jax.random.split(key, num_envs)
+                action = jax.vmap(env.action_space(params).sample)(keys)
+                obs, state, reward, *_ = step(keys, state, action, params)
+                return state, reward.sum() + obs.sum()
+
+            return jax.lax.scan(body, state, jax.random.split(key, num_steps))[1].sum()
+
+        compiled = jax.jit(steps).lower(jax.random.key(0)).compile()
+        begin = time.time()
+        compiled(jax.random.key(1)).block_until_ready()
+        rate = num_envs * num_steps / (time.time() - begin)
+        print(f"{name}: {rate:,.0f} env steps/s ({num_envs} envs, random actions)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only", nargs="+", metavar="TEXT", help="rows whose name has one"
     )
     parser.add_argument("--report", action="store_true", help="the summary only")
+    parser.add_argument(
+        "--step-speed",
+        nargs="+",
+        metavar="SUITE/NAME",
+        help="env steps/s of these envs",
+    )
     options = parser.parse_args()
+    if options.step_speed:
+        return step_speed(options.step_speed)
     rows = [r for r in ROWS if not options.only or any(t in r[0] for t in options.only)]
     if not rows:
         sys.exit(f"env_suites.py: no row's name has {' or '.join(options.only)}")
