@@ -213,10 +213,13 @@ def test_popgym_arcade_names():
 
 # MuJoCo Playground: CartpoleBalance with a 20-step episode, its step made to terminate once the
 # cart leaves [-0.05, 0.05] (its own balance task ends only at the time limit)
+EPISODE = 20
+
+
 @pytest.fixture(scope="module")
 def playground_env():
     pytest.importorskip("mujoco_playground")
-    env = suites.Playground("CartpoleBalance", episode_length=20)
+    env = suites.Playground("CartpoleBalance", episode_length=EPISODE)
     step = env.env.step
 
     def step_that_terminates(state, action):
@@ -229,7 +232,7 @@ def playground_env():
     return env
 
 
-def playground_loop(env, limit=20):
+def playground_loop(env):
     raw = env.env
 
     def reset(key):
@@ -246,7 +249,7 @@ def playground_loop(env, limit=20):
             (state, time + 1),
             state.reward,
             terminated,
-            (time + 1 >= limit) & ~terminated,
+            (time + 1 >= EPISODE) & ~terminated,
         )
 
     return suite_loop(reset, step, env, jax.random.key(2))
