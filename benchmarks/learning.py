@@ -3,7 +3,7 @@ report. Each run trains 8 seeds in one program (`--num-seeds 8`) and writes its 
 (record.py); ours also evaluate each trained policy on 100 episodes, deterministic. report.py then
 makes the tables and plots from all the files there, so a subset reruns just its rows.
 
-    python benchmarks/learning.py                        # all of it: about 2.5 h on a 2-core CPU
+    python benchmarks/learning.py                        # all of it: about 4 h on a 2-core CPU
     python benchmarks/learning.py --only CartPole        # the runs whose name has any of these
     python benchmarks/learning.py --only side_by_side/   # a run's name starts with its folder
     python benchmarks/learning.py --only Pendulum MinAtar --list   # which runs, not running them
@@ -115,24 +115,20 @@ RUNS = [
             "False",
         ],
     ),
-    (
-        "ppo_nnx Breakout-MinAtar",
-        "learning",
-        "ppo_nnx",
-        ["--env-id", "Breakout-MinAtar", "--total-timesteps", "10000000", *MINATAR],
-    ),
-    (
-        "ppo_nnx SpaceInvaders-MinAtar",
-        "learning",
-        "ppo_nnx",
-        [
-            "--env-id",
+    *[
+        (
+            f"ppo_nnx {env}",
+            "learning",
+            "ppo_nnx",
+            ["--env-id", env, "--total-timesteps", "10000000", *MINATAR],
+        )
+        for env in (
+            "Breakout-MinAtar",
             "SpaceInvaders-MinAtar",
-            "--total-timesteps",
-            "10000000",
-            *MINATAR,
-        ],
-    ),
+            "Asterix-MinAtar",
+            "Freeway-MinAtar",
+        )
+    ],
     # Masked: velocities hidden, which a feed-forward policy cannot make up for.
     (
         "ppo_nnx CartPole-v1 masked",
@@ -169,16 +165,10 @@ RUNS = [
         (f"{script} {env}", "side_by_side", script, flags)
         for env, flags in [
             ("CartPole-v1", ["--env-id", "CartPole-v1"]),
-            (
-                "Breakout-MinAtar",
-                [
-                    "--env-id",
-                    "Breakout-MinAtar",
-                    "--total-timesteps",
-                    "2000000",
-                    *MINATAR,
-                ],
-            ),
+            *[
+                (env, ["--env-id", env, "--total-timesteps", "2000000", *MINATAR])
+                for env in ("Breakout-MinAtar", "Asterix-MinAtar")
+            ],
         ]
         for script in ("ppo_nnx", "rejax")
     ],

@@ -34,6 +34,8 @@ RUNS = [
     "ppo_nnx MountainCarContinuous-v0 unnormalized",
     "ppo_nnx Breakout-MinAtar",
     "ppo_nnx SpaceInvaders-MinAtar",
+    "ppo_nnx Asterix-MinAtar",
+    "ppo_nnx Freeway-MinAtar",
     "ppo_nnx CartPole-v1 masked",
     "ppo_nnx Pendulum-v1 masked",
     "ppo_nnx_vae_lstm CartPole-v1",
@@ -49,6 +51,8 @@ TARGETS = {
     "ppo_nnx MountainCarContinuous-v0": 90,
     "ppo_nnx Breakout-MinAtar": 40,
     "ppo_nnx SpaceInvaders-MinAtar": 150,
+    "ppo_nnx Asterix-MinAtar": 15,
+    "ppo_nnx Freeway-MinAtar": 58,
     "ppo_nnx_vae_lstm CartPole-v1 masked": 475,
 }
 
@@ -86,6 +90,12 @@ REFERENCES = {
     "SpaceInvaders-MinAtar": {
         TRAINING: ["PureJaxRL about 170 (10M)"],
         EVALUATION: ["gymnax 131 (budget not stated; blines' PPO config: 10M)"],
+    },
+    "Asterix-MinAtar": {
+        EVALUATION: ["gymnax 15 (budget not stated; blines' PPO config: 10M)"]
+    },
+    "Freeway-MinAtar": {
+        EVALUATION: ["gymnax 58 (budget not stated; blines' PPO config: 10M)"]
     },
     "CartPole-v1 masked": {EVALUATION: ["SB3 RL Zoo 500 ± 0 (100k)"]},
 }
@@ -165,14 +175,27 @@ def by_name(files, order: list) -> dict:
 
 def stacks(records: dict) -> str:
     """Where the records were measured: one machine and versions, or each with its runs."""
-    where = {}
+    groups = []  # [machine, versions, names]
     for name, runs in records.items():
         for run in runs:
-            where.setdefault(describe(run["machine"], run["versions"]), []).append(name)
-    if len(where) == 1:
-        return next(iter(where))
+            found = {k: v for k, v in run["versions"].items() if v}
+            for machine, versions, names in groups:
+                # a run without a package (ours, without rejax) shares the stack of runs with it
+                same = (
+                    found.items() <= versions.items()
+                    or versions.items() <= found.items()
+                )
+                if machine == run["machine"] and same:
+                    versions.update(found)
+                    names.append(name)
+                    break
+            else:
+                groups.append([run["machine"], found, [name]])
+    if len(groups) == 1:
+        return describe(*groups[0][:2])
     return "; ".join(
-        f"{stack} ({', '.join(dict.fromkeys(names))})" for stack, names in where.items()
+        f"{describe(machine, versions)} ({', '.join(dict.fromkeys(names))})"
+        for machine, versions, names in groups
     )
 
 

@@ -269,9 +269,27 @@ def test_learning_runs_parse_and_select():
     done = python(LEARNING, "--only", "side_by_side/", "--list")
     assert [line.split(":")[0] for line in done.stdout.splitlines()] == [
         f"side_by_side/{script} {env}"
-        for env in ("CartPole-v1", "Breakout-MinAtar")
+        for env in ("CartPole-v1", "Breakout-MinAtar", "Asterix-MinAtar")
         for script in ("ppo_nnx", "rejax")
     ], done.stdout
+
+
+def test_report_header_joins_runs_that_lack_a_package():
+    """A run of ours, made where rejax was not installed, shares the header of rejax's runs;
+    another jax version gets its own."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    machine = dict(cpu="EPYC", cores=2, devices=["cpu:0"], python="3.12.1")
+    ours = dict(machine=machine, versions=dict(jax="0.11.2", rejax=None))
+    theirs = dict(machine=machine, versions=dict(jax="0.11.2", rejax="0.1.3"))
+    older = dict(machine=machine, versions=dict(jax="0.10.2", rejax=None))
+    one = report.stacks({"ours": [ours], "rejax": [theirs]})
+    assert (
+        one == "EPYC (2 cores), devices cpu:0, Python 3.12.1; jax 0.11.2, rejax 0.1.3"
+    )
+    two = report.stacks({"ours": [ours], "older": [older]})
+    assert two.count("(ours)") == two.count("(older)") == 1 and "jax 0.10.2" in two, two
 
 
 def test_env_suite_rows_parse_and_select():
