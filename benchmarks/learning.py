@@ -3,7 +3,7 @@ report. Each run trains 8 seeds in one program (`--num-seeds 8`) and writes its 
 (record.py); ours also evaluate each trained policy on 100 episodes, deterministic. report.py then
 makes the tables and plots from all the files there, so a subset reruns just its rows.
 
-    python benchmarks/learning.py                        # all of it: about 4 h on a 2-core CPU
+    python benchmarks/learning.py                        # all of it: about 3.5 h on a 2-core CPU
     python benchmarks/learning.py --only CartPole        # the runs whose name has any of these
     python benchmarks/learning.py --only side_by_side/   # a run's name starts with its folder
     python benchmarks/learning.py --only Pendulum MinAtar --list   # which runs, not running them
