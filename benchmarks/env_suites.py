@@ -167,14 +167,14 @@ def step_speed(names: list, num_envs: int = 64, num_steps: int = 200) -> None:
         params = env.default_params
         step = jax.vmap(env.step, in_axes=(0, 0, 0, None))
 
-        def steps(key, env=env, params=params, step=step):
+        def steps(key):  # compiled below, in this same iteration
             keys = jax.random.split(key, num_envs)
             _, state = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
 
             def body(state, key):
-                keys = jax.random.split(key, num_envs)
-                action = jax.vmap(env.action_space(params).sample)(keys)
-                obs, state, reward, *_ = step(keys, state, action, params)
+                act_keys, step_keys = jax.random.split(key, (2, num_envs))
+                action = jax.vmap(env.action_space(params).sample)(act_keys)
+                obs, state, reward, *_ = step(step_keys, state, action, params)
                 return state, reward.sum() + obs.sum()
 
             return jax.lax.scan(body, state, jax.random.split(key, num_steps))[1].sum()
