@@ -35,6 +35,7 @@ RUNS = [
     "ppo_nnx Breakout-MinAtar",
     "ppo_nnx SpaceInvaders-MinAtar",
     "ppo_nnx Asterix-MinAtar",
+    "ppo_nnx Asterix-MinAtar 2x256",
     "ppo_nnx Freeway-MinAtar",
     "ppo_nnx CartPole-v1 masked",
     "ppo_nnx Pendulum-v1 masked",
@@ -52,6 +53,7 @@ TARGETS = {
     "ppo_nnx Breakout-MinAtar": 40,
     "ppo_nnx SpaceInvaders-MinAtar": 150,
     "ppo_nnx Asterix-MinAtar": 15,
+    "ppo_nnx Asterix-MinAtar 2x256": 15,
     "ppo_nnx Freeway-MinAtar": 58,
     "ppo_nnx_vae_lstm CartPole-v1 masked": 475,
 }
