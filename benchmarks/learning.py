@@ -42,27 +42,12 @@ PENDULUM = [
 ]
 # PureJaxRL's MinAtar settings (its examples/brax_minatar.ipynb): a 64x64 ReLU MLP, lr 5e-3
 # annealed, 64 envs x 128 steps, 8 minibatches; the rest are CleanRL's, as ours.
-MINATAR = [
-    "--num-envs",
-    "64",
-    "--num-steps",
-    "128",
-    "--num-minibatches",
-    "8",
-    "--learning-rate",
-    "5e-3",
-    "--activation",
-    "relu",
-]
+MINATAR_BATCH = ["--num-envs", "64", "--num-steps", "128", "--num-minibatches", "8"]
+MINATAR = [*MINATAR_BATCH, "--learning-rate", "5e-3", "--activation", "relu"]
 # Asterix-MinAtar's own: gymnax-blines' MinAtar network and discount (a 2x256 ReLU MLP, gamma
 # 0.999) at a constant lr of 1.5e-3 (tuning.md), 64 envs x 128 steps, 8 minibatches.
 ASTERIX = [
-    "--num-envs",
-    "64",
-    "--num-steps",
-    "128",
-    "--num-minibatches",
-    "8",
+    *MINATAR_BATCH,
     "--learning-rate",
     "1.5e-3",
     "--no-anneal-lr",
